@@ -1,0 +1,115 @@
+"""Exceptions raised by gluon_stream.
+
+Every error derives from :class:`StreamError`; most also mix in the built-in
+they resemble, so ``except ValueError`` or ``except TimeoutError`` keep working::
+
+    StreamError
+        ShardError(RuntimeError)        the generator failed: key, argv, exit code, stderr tail
+            ShardTimeout(TimeoutError)  the generator ran past its timeout
+        CorruptShard(ValueError)        bad magic/header/size, truncated, junk appended
+        UnsafeShard(ValueError)         pickles, object arrays, symlinks out of the cache
+        SchemaMismatch(ValueError)      dtypes or trailing shapes differ between shards
+        WorkerDied(RuntimeError)        a DataLoader worker process died mid-shard
+        BatchTimeout(TimeoutError)      one batch took longer than ``timeout``
+        LoaderClosed(RuntimeError)      a closed loader or stream was used
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+__all__ = [
+    "BatchTimeout",
+    "CorruptShard",
+    "LoaderClosed",
+    "SchemaMismatch",
+    "ShardError",
+    "ShardTimeout",
+    "StreamError",
+    "UnsafeShard",
+    "WorkerDied",
+]
+
+
+class StreamError(Exception):
+    """Base class of every error gluon_stream raises on purpose."""
+
+
+class ShardError(StreamError, RuntimeError):
+    """Producing a shard failed.
+
+    Attributes:
+        key: The shard key.
+        argv: The generator's argument vector (``None`` for Python functions).
+        returncode: The generator's exit status (negative: killed by that signal).
+        stderr_tail: The last lines the generator wrote to stderr.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        key: Any = None,
+        argv: Sequence[str] | None = None,
+        returncode: int | None = None,
+        stderr_tail: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.key = key
+        self.argv = list(argv) if argv is not None else None
+        self.returncode = returncode
+        self.stderr_tail = stderr_tail
+
+
+class ShardTimeout(ShardError, TimeoutError):
+    """The generator for a shard ran longer than its ``timeout``."""
+
+
+class CorruptShard(StreamError, ValueError):
+    """A shard file is not a complete, valid ``.npy``/``.npz`` file.
+
+    Attributes:
+        path: The offending file.
+        reason: What is wrong (bad magic, header, size mismatch, truncated, ...).
+    """
+
+    def __init__(self, message: str, *, path: Any = None, reason: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+        self.reason = reason
+
+
+class UnsafeShard(StreamError, ValueError):
+    """A shard would need pickle to load (object arrays, pickled data) or escapes the cache."""
+
+    def __init__(self, message: str, *, path: Any = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class SchemaMismatch(StreamError, ValueError):
+    """A shard's arrays differ in count, dtype or trailing shape from the expected schema."""
+
+
+class WorkerDied(StreamError, RuntimeError):
+    """A DataLoader worker process died (killed by a signal, out of memory).
+
+    Attributes:
+        pid: The dead worker's process id.
+        signal: The signal number that killed it, if any.
+        key: The shard being loaded at the time.
+    """
+
+    def __init__(self, message: str, *, pid: int | None = None, signal: int | None = None,
+                 key: Any = None) -> None:
+        super().__init__(message)
+        self.pid = pid
+        self.signal = signal
+        self.key = key
+
+
+class BatchTimeout(StreamError, TimeoutError):
+    """Waiting for one batch took longer than the loader's ``timeout``."""
+
+
+class LoaderClosed(StreamError, RuntimeError):
+    """The loader, stream or source was used after ``close()``."""

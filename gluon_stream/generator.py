@@ -1,0 +1,72 @@
+"""A small built-in shard generator, run as a real external process by the demo and the bench.
+
+It stands in for a user's C++ program: given a key (a date), it optionally sleeps (the
+cost of producing data), then writes a deterministic raw time series of shape
+``(rows, num_inputs)`` float32 to ``--out``::
+
+    python -m gluon_stream.generator --key 2024-01-01 --out shard.npy --rows 5000 --delay 0.2
+
+:func:`make_windows` is the matching transform: sliding windows ``(n, time_steps, num_inputs)``
+plus labels, the time-series case gluon_stream was built for.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import zlib
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["generate", "generator_command", "make_windows"]
+
+
+def generate(key: str, rows: int, num_inputs: int) -> np.ndarray:
+    """The deterministic raw series for ``key``: a noisy sum of sines per input column."""
+    rng = np.random.default_rng(zlib.crc32(key.encode("utf-8")))
+    t = np.arange(rows, dtype=np.float32)[:, None]
+    freq = rng.uniform(0.01, 0.2, size=(1, num_inputs)).astype(np.float32)
+    phase = rng.uniform(0, 2 * np.pi, size=(1, num_inputs)).astype(np.float32)
+    noise = rng.standard_normal((rows, num_inputs), dtype=np.float32) * np.float32(0.1)
+    return np.sin(t * freq + phase) + noise
+
+
+def make_windows(raw: np.ndarray, time_steps: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """Sliding windows ``(n, time_steps, num_inputs)`` and the next value of column 0 as label."""
+    n = len(raw) - time_steps
+    if n <= 0:
+        return (np.empty((0, time_steps, raw.shape[1]), raw.dtype), np.empty((0,), raw.dtype))
+    windows = np.lib.stride_tricks.sliding_window_view(raw[:-1], time_steps, axis=0)
+    windows = np.ascontiguousarray(windows.transpose(0, 2, 1))
+    return windows, np.ascontiguousarray(raw[time_steps:, 0])
+
+
+def generator_command(rows: int, num_inputs: int, delay: float = 0.0) -> list[str]:
+    """The argv of this generator for a :class:`~gluon_stream.CommandSource`.
+
+    The script runs by path, not ``-m``, so the child never imports MXNet (a second of start-up).
+    """
+    return [sys.executable, os.path.abspath(__file__), "--key", "{key}", "--out", "{path}",
+            "--rows", str(rows), "--inputs", str(num_inputs), "--delay", str(delay)]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gluon_stream.generator",
+                                     description="Write one deterministic raw shard (.npy).")
+    parser.add_argument("--key", required=True, help="shard key, e.g. a date")
+    parser.add_argument("--out", required=True, help="path of the .npy file to write")
+    parser.add_argument("--rows", type=int, default=2000, help="time steps in the raw series")
+    parser.add_argument("--inputs", type=int, default=8, help="input columns")
+    parser.add_argument("--delay", type=float, default=0.0, help="seconds to sleep first")
+    args = parser.parse_args(argv)
+    if args.delay > 0:
+        time.sleep(args.delay)
+    with open(args.out, "wb") as fp:
+        np.save(fp, generate(args.key, args.rows, args.inputs))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,498 @@
+"""Shard sources: turn shard keys into arrays, generating shard files on demand.
+
+* :class:`CommandSource` runs an external program per key (argv only, never a shell).
+* :class:`FunctionSource` calls a Python function per key.
+* :class:`FileSource` reads existing ``.npy`` / ``.npz`` files.
+
+Keys are a sequence, an (endless) iterator, or a callable ``keys(epoch)`` that returns
+that epoch's keys. Sources are thread-safe: a :class:`~gluon_stream.ShardStream` calls
+:meth:`Source.produce` from several producer threads at once.
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import re
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence, Union
+
+import numpy as np
+from filelock import FileLock, Timeout as LockTimeout
+
+from .errors import CorruptShard, LoaderClosed, ShardError, ShardTimeout, StreamError, UnsafeShard
+from .shardfile import TEMP_MARKER, inspect_shard, load_shard, normalize_arrays, write_shard
+
+__all__ = ["CommandSource", "FileSource", "FunctionSource", "RawShard", "Source", "validate_key"]
+
+logger = logging.getLogger(__name__)
+
+Keys = Union[Sequence[Any], Iterable[Any], Callable[[int], Iterable[Any]]]
+
+_KEY_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:=+@,-]*")
+MAX_KEY_LENGTH = 200
+STDERR_TAIL_BYTES = 4096
+
+
+def validate_key(key: Any) -> str:
+    """Return ``str(key)`` if it is safe as a file name and a command argument, else raise ValueError.
+
+    Allowed: letters, digits and ``_ . : = + @ , -``, not starting with ``-`` or ``.``,
+    at most 200 characters. Dates (``datetime.date``) and integers pass as they are.
+    """
+    text = str(key)
+    if not text or len(text) > MAX_KEY_LENGTH or not _KEY_PATTERN.fullmatch(text) or ".." in text:
+        raise ValueError(
+            f"shard key {text[:80]!r} is not allowed: keys become file names and command "
+            f"arguments, so they must be 1-{MAX_KEY_LENGTH} characters of letters, digits and "
+            "'_.:=+@,-', must not start with '-' or '.', and must not contain '..', path "
+            "separators, spaces, shell characters or NUL"
+        )
+    return text
+
+
+@dataclass
+class RawShard:
+    """One produced shard before the user's transform: arrays plus where they came from."""
+
+    key: Any
+    epoch: int
+    arrays: tuple
+    path: str | None = None
+    cache_hit: bool = False
+    generate_s: float = 0.0
+    load_s: float = 0.0
+
+
+def _is_iterator(obj: Any) -> bool:
+    return iter(obj) is obj
+
+
+class Source:
+    """Base class: maps an epoch to its keys and a key to a :class:`RawShard`.
+
+    Subclasses implement :meth:`produce`; they may override :meth:`num_samples` when
+    the sample count is known without loading (file headers).
+    """
+
+    def __init__(self, keys: Keys) -> None:
+        if keys is None or isinstance(keys, (str, bytes)):
+            raise TypeError(f"keys must be a sequence, an iterator or a callable keys(epoch), "
+                            f"got {type(keys).__name__}")
+        self._keys = keys
+        self._closed = threading.Event()
+
+    def keys_for_epoch(self, epoch: int) -> tuple[Iterable[Any], bool]:
+        """Return (keys, finite) for ``epoch``; an iterator is drawn lazily and is not finite."""
+        keys = self._keys(epoch) if callable(self._keys) else self._keys
+        if _is_iterator(keys):
+            return keys, False
+        return list(keys), True
+
+    def produce(self, key: Any, epoch: int) -> RawShard:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def num_samples(self, key: Any, epoch: int) -> int | None:
+        """Sample count of a shard if known without producing it, else None."""
+        return None
+
+    def _check_open(self) -> None:
+        if self._closed.is_set():
+            raise LoaderClosed(f"{type(self).__name__} is closed")
+
+    def close(self) -> None:
+        """Stop running work; further use raises LoaderClosed. Idempotent."""
+        self._closed.set()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class _ShardCache:
+    """A directory of finished shard files, filled atomically under per-key file locks."""
+
+    SUFFIXES = (".npy", ".npz")
+
+    def __init__(self, cache_dir: str | os.PathLike, lock_timeout: float) -> None:
+        self.root = os.path.realpath(os.fspath(cache_dir))
+        os.makedirs(self.root, exist_ok=True)
+        self.lock_timeout = lock_timeout
+        self._remove_stale_temps()
+
+    def _remove_stale_temps(self) -> None:
+        """Delete temp files left by crashed runs (their writer's pid is gone)."""
+        for path in glob.glob(os.path.join(glob.escape(self.root), f".*{TEMP_MARKER}*")):
+            match = re.search(r"\.(\d+)\.[^.]+" + re.escape(TEMP_MARKER), os.path.basename(path))
+            if match and _pid_alive(int(match.group(1))):
+                continue
+            logger.info("removing temp file %s left by a crashed run", path)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                logger.debug("temp file %s vanished before removal", path)
+
+    def path_for(self, name: str, suffix: str) -> str:
+        path = os.path.join(self.root, name + suffix)
+        if os.path.dirname(os.path.abspath(path)) != self.root:
+            raise ValueError(f"shard name {name!r} escapes the cache directory {self.root!r}")
+        return path
+
+    def lookup(self, name: str) -> str | None:
+        """Path of a finished shard for ``name``, or None. Symlinks are never followed."""
+        for suffix in self.SUFFIXES:
+            path = self.path_for(name, suffix)
+            if os.path.islink(path):
+                raise UnsafeShard(f"cached shard {path!r} is a symlink; gluon_stream does not follow "
+                                  "links in its cache. Remove it", path=path)
+            if os.path.exists(path):
+                return path
+        return None
+
+    def temp_path(self, name: str, suffix: str) -> str:
+        return os.path.join(self.root, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+                                        f"{TEMP_MARKER}{suffix}")
+
+    def lock(self, name: str) -> FileLock:
+        return FileLock(os.path.join(self.root, f".{name}.lock"), timeout=self.lock_timeout)
+
+    def get_or_create(self, name: str, create: Callable[[], str]) -> tuple[str, bool]:
+        """Return (path, cache_hit); ``create()`` writes a validated temp file and returns its path.
+
+        One process generates a key at a time (a cross-process lock); whoever waited finds the
+        finished file. A lock whose holder died is released by the OS, so a waiter takes over.
+        """
+        path = self.lookup(name)
+        if path is not None:
+            return path, True
+        lock = self.lock(name)
+        try:
+            lock.acquire()
+        except LockTimeout as exc:
+            raise ShardError(f"shard {name!r}: waited {self.lock_timeout:.0f} s for another process "
+                             f"generating it (lock {lock.lock_file}); raise lock_timeout or remove a "
+                             "stale lock", key=name) from exc
+        try:
+            path = self.lookup(name)
+            if path is not None:
+                return path, True
+            tmp = create()
+            final = self.path_for(name, os.path.splitext(tmp)[1])
+            os.replace(tmp, final)
+            return final, False
+        finally:
+            _unlink_missing_ok(lock.lock_file)  # while held: late waiters see the finished file
+            lock.release()
+
+    def evict(self, path: str) -> None:
+        _unlink_missing_ok(path)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _unlink_missing_ok(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        logger.debug("%s already removed", path)
+
+
+class _CachingSource(Source):
+    """Shared logic of sources that may write shards into a cache directory."""
+
+    def __init__(self, keys: Keys, cache_dir: str | os.PathLike | None, lock_timeout: float,
+                 mmap: bool) -> None:
+        super().__init__(keys)
+        self._cache = _ShardCache(cache_dir, lock_timeout) if cache_dir is not None else None
+        self._mmap = mmap
+
+    def _shard_name(self, key: Any, epoch: int) -> str:
+        return validate_key(key)
+
+    def num_samples(self, key: Any, epoch: int) -> int | None:
+        if self._cache is None:
+            return None
+        path = self._cache.lookup(self._shard_name(key, epoch))
+        if path is None:
+            return None
+        return inspect_shard(path)[0].shape[0]
+
+    def _load_cached(self, key: Any, epoch: int, create: Callable[[], str]) -> RawShard:
+        assert self._cache is not None
+        name = self._shard_name(key, epoch)
+        t0 = time.perf_counter()
+        path, hit = self._cache.get_or_create(name, create)
+        t1 = time.perf_counter()
+        try:
+            arrays = load_shard(path, mmap=self._mmap)
+        except (CorruptShard, UnsafeShard):
+            self._cache.evict(path)
+            if not hit:
+                raise
+            logger.warning("cached shard %s for key %r is unreadable; deleted it, regenerating",
+                           path, key)
+            path, hit = self._cache.get_or_create(name, create)
+            t1 = time.perf_counter()
+            arrays = load_shard(path, mmap=self._mmap)
+        t2 = time.perf_counter()
+        return RawShard(key, epoch, arrays, path, hit, t1 - t0, t2 - t1)
+
+
+class CommandSource(_CachingSource):
+    """Generate each shard by running an external program.
+
+    Args:
+        keys: Shard keys (sequence, iterator, or ``keys(epoch)``).
+        command: Argument vector; ``{key}``, ``{path}`` and ``{epoch}`` are replaced per shard.
+            The program must write the shard to ``{path}`` (a temporary file in ``cache_dir``
+            that is renamed into place only once complete and valid). Never run through a shell.
+        cache_dir: Directory of finished shards; keys already there are not regenerated.
+            With ``{epoch}`` in the command, shards are cached per (key, epoch).
+        timeout: Seconds one run may take before its whole process group is killed.
+        retries: Extra attempts after a failed run, with exponential backoff.
+        backoff: Seconds before the first retry (doubling each time).
+        suffix: ``.npy`` or ``.npz``: what the program writes.
+        env: Environment for the program (default: inherited).
+        lock_timeout: Seconds to wait for another process generating the same key.
+        mmap: Memory-map loaded ``.npy`` files.
+
+    Example:
+        >>> src = CommandSource(["2024-01-01"], ["./gen", "--date", "{key}", "--out", "{path}"],
+        ...                     cache_dir="shards")  # doctest: +SKIP
+    """
+
+    def __init__(self, keys: Keys, command: Sequence[str], *, cache_dir: str | os.PathLike,
+                 timeout: float | None = 600.0, retries: int = 2, backoff: float = 0.5,
+                 suffix: str = ".npy", env: dict | None = None, lock_timeout: float = 3600.0,
+                 mmap: bool = False) -> None:
+        if isinstance(command, (str, bytes)) or not command:
+            raise TypeError("command must be a non-empty list of arguments (argv), e.g. "
+                            "['./gen', '--date', '{key}', '--out', '{path}']; it never runs in a shell")
+        if not any("{path}" in str(arg) for arg in command):
+            raise ValueError("command must contain '{path}': the program writes the shard there")
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries!r}")
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
+        if suffix not in _ShardCache.SUFFIXES:
+            raise ValueError(f"suffix must be '.npy' or '.npz', got {suffix!r}")
+        if cache_dir is None:
+            raise ValueError("CommandSource needs a cache_dir: the program writes files there")
+        super().__init__(keys, cache_dir, lock_timeout, mmap)
+        self.command = [str(arg) for arg in command]
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.suffix = suffix
+        self.env = env
+        self._per_epoch = any("{epoch}" in arg for arg in self.command)
+        self._procs: set[subprocess.Popen] = set()
+        self._procs_lock = threading.Lock()
+
+    def _shard_name(self, key: Any, epoch: int) -> str:
+        name = validate_key(key)
+        return f"{name}@e{epoch}" if self._per_epoch else name
+
+    def argv_for(self, key: Any, epoch: int, path: str) -> list[str]:
+        """The argument vector for one run (tokens replaced literally, no other formatting)."""
+        values = {"{key}": validate_key(key), "{path}": path, "{epoch}": str(epoch)}
+        out = []
+        for arg in self.command:
+            for token, value in values.items():
+                arg = arg.replace(token, value)
+            out.append(arg)
+        return out
+
+    def produce(self, key: Any, epoch: int) -> RawShard:
+        self._check_open()
+        validate_key(key)
+        return self._load_cached(key, epoch, lambda: self._generate(key, epoch))
+
+    def _generate(self, key: Any, epoch: int) -> str:
+        name = self._shard_name(key, epoch)
+        attempts = self.retries + 1
+        for attempt in range(attempts):
+            tmp = self._cache.temp_path(name, self.suffix)
+            try:
+                self._run_once(key, epoch, tmp)
+                inspect_shard(tmp)
+                return tmp
+            except (ShardError, CorruptShard, UnsafeShard) as exc:
+                _unlink_missing_ok(tmp)
+                self._check_open()
+                if attempt + 1 == attempts or isinstance(exc, UnsafeShard):
+                    raise
+                delay = self.backoff * (2 ** attempt)
+                logger.warning("shard %r: attempt %d/%d failed (%s); retrying in %.1f s",
+                               key, attempt + 1, attempts, exc, delay)
+                if self._closed.wait(delay):
+                    self._check_open()
+            except BaseException:
+                _unlink_missing_ok(tmp)
+                raise
+        raise AssertionError("unreachable")
+
+    def _run_once(self, key: Any, epoch: int, tmp: str) -> None:
+        argv = self.argv_for(key, epoch, tmp)
+        with tempfile.TemporaryFile() as errfile:
+            try:
+                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=errfile, start_new_session=True, close_fds=True,
+                                        env=self.env)
+            except OSError as exc:
+                raise ShardError(f"shard {key!r}: cannot start {argv[0]!r}: {exc}", key=key,
+                                 argv=argv) from exc
+            with self._procs_lock:
+                self._procs.add(proc)
+            timed_out = False
+            try:
+                self._check_open_or_kill(proc)
+                proc.wait(timeout=self.timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:
+                _kill_group(proc)
+                with self._procs_lock:
+                    self._procs.discard(proc)
+            tail = _tail(errfile)
+        self._check_open()
+        if timed_out:
+            raise ShardTimeout(
+                f"shard {key!r}: generator ran longer than timeout={self.timeout} s and was killed "
+                f"with its process group; command: {argv}; stderr tail:\n{tail}",
+                key=key, argv=argv, returncode=proc.returncode, stderr_tail=tail)
+        if proc.returncode != 0:
+            how = (f"killed by signal {-proc.returncode}" if proc.returncode < 0
+                   else f"exit code {proc.returncode}")
+            raise ShardError(f"shard {key!r}: generator failed ({how}); command: {argv}; "
+                             f"stderr tail:\n{tail}", key=key, argv=argv,
+                             returncode=proc.returncode, stderr_tail=tail)
+        if not os.path.exists(tmp):
+            raise ShardError(f"shard {key!r}: generator exited 0 but wrote no file at {tmp!r} "
+                             f"(it must write to the '{{path}}' argument); command: {argv}; "
+                             f"stderr tail:\n{tail}", key=key, argv=argv, returncode=0,
+                             stderr_tail=tail)
+
+    def _check_open_or_kill(self, proc: subprocess.Popen) -> None:
+        if self._closed.is_set():
+            _kill_group(proc)
+
+    def close(self) -> None:
+        """Kill every running generator (whole process groups); idempotent."""
+        super().close()
+        with self._procs_lock:
+            procs = list(self._procs)
+        for proc in procs:
+            _kill_group(proc)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group of a generator started in its own session, then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        logger.debug("process group %d already gone", proc.pid)
+    except PermissionError:
+        logger.debug("process group %d is no longer ours", proc.pid)
+    proc.wait()
+
+
+def _tail(fp: Any, limit: int = STDERR_TAIL_BYTES) -> str:
+    size = fp.seek(0, os.SEEK_END)
+    fp.seek(max(0, size - limit))
+    return fp.read().decode("utf-8", errors="replace").strip()
+
+
+class FunctionSource(_CachingSource):
+    """Produce each shard by calling ``fn(key)`` in a producer thread.
+
+    ``fn`` returns an array, a tuple/list of arrays or a dict of arrays (all with the same
+    first dimension). With ``cache_dir`` the result is written there atomically and later
+    runs load it instead of calling ``fn``; without, ``fn`` runs every time the shard is
+    needed and its arrays live only in memory while the shard is in the pipeline.
+
+    Example:
+        >>> src = FunctionSource(range(3), lambda k: np.full((4, 2), k))
+        >>> src.produce(2, epoch=0).arrays[0][0].tolist()
+        [2, 2]
+    """
+
+    def __init__(self, keys: Keys, fn: Callable[[Any], Any], *,
+                 cache_dir: str | os.PathLike | None = None, lock_timeout: float = 3600.0,
+                 mmap: bool = False) -> None:
+        if not callable(fn):
+            raise TypeError(f"fn must be callable fn(key) -> arrays, got {type(fn).__name__}")
+        super().__init__(keys, cache_dir, lock_timeout, mmap)
+        self.fn = fn
+
+    def _call(self, key: Any) -> tuple[np.ndarray, ...]:
+        try:
+            value = self.fn(key)
+        except StreamError:
+            raise
+        except Exception as exc:
+            raise ShardError(f"shard {key!r}: {getattr(self.fn, '__name__', 'fn')}({key!r}) "
+                             f"raised {type(exc).__name__}: {exc}", key=key) from exc
+        return normalize_arrays(value, what=f"shard {key!r}")
+
+    def produce(self, key: Any, epoch: int) -> RawShard:
+        self._check_open()
+        if self._cache is None:
+            t0 = time.perf_counter()
+            arrays = self._call(key)
+            return RawShard(key, epoch, arrays, None, False, time.perf_counter() - t0, 0.0)
+
+        def create() -> str:
+            arrays = self._call(key)
+            suffix = ".npy" if len(arrays) == 1 else ".npz"
+            return write_shard(self._cache.temp_path(self._shard_name(key, epoch), suffix), arrays)
+
+        return self._load_cached(key, epoch, create)
+
+
+class FileSource(Source):
+    """Read existing shard files (``.npy`` / ``.npz``); each file's path is its key.
+
+    Args:
+        paths: A glob pattern (sorted matches), or a list of paths.
+        mmap: Memory-map ``.npy`` files instead of reading them.
+
+    Example:
+        >>> src = FileSource("shards/*.npy")  # doctest: +SKIP
+    """
+
+    def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike], *,
+                 mmap: bool = False) -> None:
+        if isinstance(paths, (str, os.PathLike)):
+            pattern = os.fspath(paths)
+            matched = sorted(glob.glob(pattern))
+            if not matched:
+                raise FileNotFoundError(f"FileSource: no files match {pattern!r}")
+            paths = matched
+        super().__init__([os.fspath(p) for p in paths])
+        self._mmap = mmap
+
+    def produce(self, key: Any, epoch: int) -> RawShard:
+        self._check_open()
+        t0 = time.perf_counter()
+        arrays = load_shard(key, mmap=self._mmap)
+        return RawShard(key, epoch, arrays, key, True, 0.0, time.perf_counter() - t0)
+
+    def num_samples(self, key: Any, epoch: int) -> int | None:
+        return inspect_shard(key)[0].shape[0]

@@ -1,0 +1,386 @@
+"""ShardStream: shards in order, produced ahead of the consumer by a bounded thread pool.
+
+Producer threads generate, load, transform and (when shuffling) permute each shard
+while the consumer works on the current one; at most ``prefetch`` shards are ever
+ahead of it, so at most ``prefetch + 1`` shards are held at once. Threads, not
+processes: generation runs in external processes or in numpy code that releases the
+GIL, and nothing has to be forked or pickled.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import logging
+import threading
+import weakref
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from .errors import LoaderClosed, SchemaMismatch
+from .shardfile import normalize_arrays
+from .sources import RawShard, Source
+from .stats import ShardRecord, Stats
+
+__all__ = ["Shard", "ShardStream"]
+
+logger = logging.getLogger(__name__)
+
+WAIT_SLICE_S = 0.5  # how often a waiting consumer re-checks for close()
+_END = object()
+
+
+@dataclass
+class Shard:
+    """One ready shard: its key, its position in the epoch and its arrays (samples first)."""
+
+    key: Any
+    epoch: int
+    index: int
+    arrays: tuple
+    record: ShardRecord = field(repr=False, default=None)
+    extra: Any = field(repr=False, default=None)
+
+    def __len__(self) -> int:
+        return int(self.arrays[0].shape[0])
+
+    @property
+    def dataset(self) -> Any:
+        """A ``gluon.data.ArrayDataset`` over the shard's arrays."""
+        from ._compat import gluon, require_mxnet
+
+        require_mxnet()
+        return gluon.data.ArrayDataset(*self.arrays)
+
+
+def _parse_on_error(on_error: Any) -> tuple[str, int]:
+    if on_error in ("raise", "skip"):
+        return on_error, 0
+    if (isinstance(on_error, (tuple, list)) and len(on_error) == 2 and on_error[0] == "retry"
+            and isinstance(on_error[1], int) and on_error[1] >= 1):
+        return "retry", on_error[1]
+    raise ValueError(f"on_error must be 'raise', 'skip' or ('retry', n) with n >= 1, "
+                     f"got {on_error!r}")
+
+
+def schema_of(arrays: Sequence[np.ndarray]) -> list[tuple[str, tuple]]:
+    """(dtype, trailing shape) of each array: what must agree between shards to batch them."""
+    return [(np.dtype(a.dtype).str, tuple(a.shape[1:])) for a in arrays]
+
+
+def _seed_sequence(*parts: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]))
+
+
+def key_hash(key: Any) -> int:
+    return zlib.crc32(str(key).encode("utf-8"))
+
+
+class _Resources:
+    """What a ShardStream owns; closed by ``close()`` or by the garbage collector."""
+
+    def __init__(self, source: Source, producers: int) -> None:
+        self.source = source
+        self.executor = cf.ThreadPoolExecutor(producers, thread_name_prefix="gluon_stream-producer")
+        self.closed = threading.Event()
+        self.runs: weakref.WeakSet = weakref.WeakSet()
+
+    def close(self) -> None:
+        self.closed.set()
+        for run in list(self.runs):
+            run.cancel()
+        self.source.close()  # kills running generator process groups
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+class ShardStream:
+    """Iterate shards in order while the next ones are produced in the background.
+
+    Args:
+        source: A :class:`~gluon_stream.CommandSource`, ``FunctionSource`` or ``FileSource``.
+            The stream owns it: closing the stream closes the source.
+        transform: ``transform(raw) -> arrays`` per shard, run in a producer thread; ``raw`` is
+            the ``.npy`` array or the tuple of ``.npz`` arrays. Returns an array, a tuple or a
+            dict of arrays with a common first (sample) dimension.
+        prefetch: Shards produced ahead of the one being consumed (0: none).
+        producers: Producer threads (shards generated in parallel).
+        shuffle: Shuffle the shard order (finite keys) and the samples within each shard,
+            deterministically from ``(seed, epoch)``.
+        seed: Seed for shuffling; None draws one (logged at INFO).
+        on_error: Per shard: ``'raise'`` (default), ``'skip'`` (drop it with a WARNING and
+            count it in stats), or ``('retry', n)``.
+        schema: Expected ``[(dtype, trailing_shape), ...]`` per array; by default the first
+            shard's schema is expected of all later ones.
+
+    Example:
+        >>> from gluon_stream import FunctionSource
+        >>> with ShardStream(FunctionSource(range(3), lambda k: np.arange(4) + 10 * k)) as s:
+        ...     [(shard.key, len(shard)) for shard in s]
+        [(0, 4), (1, 4), (2, 4)]
+    """
+
+    def __init__(self, source: Source, *, transform: Callable[[Any], Any] | None = None,
+                 prefetch: int = 2, producers: int = 1, shuffle: bool = False,
+                 seed: int | None = None, on_error: Any = "raise",
+                 schema: Sequence[tuple[Any, Sequence[int]]] | None = None,
+                 stats: Stats | None = None) -> None:
+        if not isinstance(source, Source):
+            raise TypeError(f"source must be a CommandSource, FunctionSource or FileSource, got "
+                            f"{type(source).__name__}")
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
+        if not isinstance(producers, int) or producers < 1:
+            raise ValueError(f"producers must be an integer >= 1, got {producers!r}")
+        if transform is not None and not callable(transform):
+            raise TypeError(f"transform must be callable, got {type(transform).__name__}")
+        self.source = source
+        self.transform = transform
+        self.prefetch = prefetch
+        self.producers = producers
+        self.shuffle = bool(shuffle)
+        if seed is None and self.shuffle:
+            seed = int(np.random.SeedSequence().entropy % (2 ** 31))
+            logger.info("shuffle=True without a seed: using seed=%d", seed)
+        self.seed = 0 if seed is None else int(seed)
+        self.on_error, self._retries = _parse_on_error(on_error)
+        self._schema = ([(np.dtype(d).str, tuple(s)) for d, s in schema]
+                        if schema is not None else None)
+        self.stats = stats if stats is not None else Stats()
+        self.epoch = 0
+        self._epoch_set = False
+        self._finisher: Callable[[Shard], None] | None = None
+        self._sizes: dict[tuple, int] = {}
+        self._res = _Resources(source, producers)
+        self._finalizer = weakref.finalize(self, self._res.close)
+
+    # -- configuration ------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch the next iteration produces (its keys, shuffle and cache entries)."""
+        self.epoch = int(epoch)
+        self._epoch_set = True
+
+    @property
+    def closed(self) -> bool:
+        return self._res.closed.is_set()
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise LoaderClosed("this ShardStream/StreamLoader is closed; create a new one")
+
+    def epoch_keys(self, epoch: int) -> tuple[Iterator[Any], bool, list | None]:
+        """(keys iterator, finite, key list or None) in this epoch's shard order."""
+        keys, finite = self.source.keys_for_epoch(epoch)
+        if not finite:
+            return iter(keys), False, None
+        keys = list(keys)
+        if self.shuffle and keys:
+            order = _seed_sequence(self.seed, epoch, 0x5EED).permutation(len(keys))
+            keys = [keys[i] for i in order]
+        return iter(keys), True, keys
+
+    def epoch_size(self, epoch: int) -> int | None:
+        """Total samples of an epoch if known (file headers or an earlier pass), else None."""
+        _, finite, keys = self.epoch_keys(epoch)
+        if not finite:
+            return None
+        total = 0
+        for key in keys:
+            n = self._sizes.get((key, epoch), self._sizes.get((key, None)))
+            if n is None and self.transform is None:
+                n = self.source.num_samples(key, epoch)
+            if n is None:
+                return None
+            total += n
+        return total
+
+    # -- iteration ----------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Shard]:
+        run = self.start_epoch()
+        try:
+            while True:
+                shard = run.next_shard()
+                if shard is None:
+                    break
+                yield shard
+                del shard
+        finally:
+            run.cancel()
+
+    def start_epoch(self) -> "_EpochRun":
+        """Begin producing the current epoch; cancels any earlier unfinished pass."""
+        self.check_open()
+        for old in list(self._res.runs):
+            old.cancel()
+        epoch = self.epoch
+        if not self._epoch_set:
+            self.epoch += 1  # without set_epoch, each pass is a new epoch
+        self._epoch_set = False
+        run = _EpochRun(self, epoch)
+        self._res.runs.add(run)
+        return run
+
+    def _produce(self, key: Any, epoch: int, index: int, run: "_EpochRun") -> Shard:
+        """Runs in a producer thread: generate/load, transform, shuffle, finish."""
+        if run.cancelled:
+            raise LoaderClosed("epoch pass cancelled")
+        lane = threading.current_thread().name
+        clock = self.stats.clock
+        t0 = clock()
+        raw: RawShard = self.source.produce(key, epoch)
+        t1 = clock()
+        arrays = raw.arrays
+        if self.transform is not None:
+            arg = arrays[0] if len(arrays) == 1 else arrays
+            try:
+                value = self.transform(arg)
+            except Exception as exc:
+                exc.add_note(f"gluon_stream: raised by transform on shard {key!r} "
+                             f"(file {raw.path!r}, epoch {epoch})")
+                raise
+            arrays = normalize_arrays(value, what=f"transform output of shard {key!r}")
+        if self.shuffle and len(arrays[0]) > 1:
+            perm = _seed_sequence(self.seed, epoch, key_hash(key)).permutation(len(arrays[0]))
+            arrays = tuple(a[perm] for a in arrays)
+        shard = Shard(key, epoch, index, arrays)
+        if self._finisher is not None and not run.cancelled:
+            self._finisher(shard)
+        t2 = clock()
+        gen_end = t0 + raw.generate_s
+        load_end = gen_end + raw.load_s
+        self.stats.add_span(lane, "generate", t0, gen_end)
+        self.stats.add_span(lane, "load", gen_end, load_end)
+        self.stats.add_span(lane, "transform", max(load_end, t1), t2)
+        shard.record = ShardRecord(key, epoch, len(shard), raw.cache_hit, raw.generate_s,
+                                   raw.load_s, t2 - t1, lane)
+        return shard
+
+    def _check_schema(self, shard: Shard) -> None:
+        found = schema_of(shard.arrays)
+        if self._schema is None:
+            self._schema = found
+        elif found != self._schema:
+            raise SchemaMismatch(
+                f"shard {shard.key!r} (epoch {shard.epoch}) has arrays {found} as "
+                f"[(dtype, trailing shape)], but {self._schema} was expected (from the first "
+                "shard or schema=); every shard must batch together")
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop producers, kill running generators and release everything; idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> "ShardStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class _EpochRun:
+    """One pass over an epoch's keys: a window of futures, consumed in order."""
+
+    def __init__(self, stream: ShardStream, epoch: int) -> None:
+        self.stream = stream
+        self.epoch = epoch
+        self.keys, self.finite, _ = stream.epoch_keys(epoch)
+        self.pending: collections.deque = collections.deque()
+        self.index = 0
+        self.cancelled = False
+        self.skipped = 0
+        self.exhausted = False
+        self.last_wait_s = 0.0  # time the consumer waited for the last shard to be produced
+        self.rotation_start: float | None = None  # set by the loader at a shard boundary
+        self.rotation_wait = 0.0
+
+    def _submit(self, key: Any, index: int) -> cf.Future:
+        return self.stream._res.executor.submit(self.stream._produce, key, self.epoch, index, self)
+
+    def _fill(self, depth: int) -> None:
+        while len(self.pending) < depth and not self.exhausted:
+            key = next(self.keys, _END)
+            if key is _END:
+                self.exhausted = True
+                break
+            self.pending.append((key, self.index, self._submit(key, self.index)))
+            self.index += 1
+
+    def ready_ahead(self) -> int:
+        """Shards ahead of the consumer that are already produced."""
+        return sum(1 for _, _, fut in self.pending if fut.done())
+
+    def next_shard(self) -> Shard | None:
+        """The next shard in order, or None at the end of the epoch."""
+        stream = self.stream
+        while True:
+            stream.check_open()
+            if self.cancelled:
+                raise LoaderClosed("this epoch pass was replaced by a newer one")
+            self._fill(stream.prefetch + 1)
+            if not self.pending:
+                return None
+            key, index, fut = self.pending.popleft()
+            self._fill(stream.prefetch)
+            shard = self._wait(key, index, fut)
+            if shard is not None:
+                return shard
+
+    def _wait(self, key: Any, index: int, fut: cf.Future) -> Shard | None:
+        stream = self.stream
+        attempts = 0
+        while True:
+            try:
+                shard = self._result(fut)
+                stream._check_schema(shard)
+            except (LoaderClosed, KeyboardInterrupt, cf.CancelledError):
+                raise
+            except Exception as exc:
+                if stream.on_error == "retry" and attempts < stream._retries:
+                    attempts += 1
+                    logger.warning("shard %r failed (%s: %s); retry %d/%d", key,
+                                   type(exc).__name__, exc, attempts, stream._retries)
+                    fut = self._submit(key, index)
+                    continue
+                if stream.on_error == "skip":
+                    logger.warning("skipping shard %r (epoch %d): %s: %s", key, self.epoch,
+                                   type(exc).__name__, exc)
+                    self.skipped += 1
+                    stream.stats.add_shard(ShardRecord(key, self.epoch,
+                                                       error=f"{type(exc).__name__}: {exc}"))
+                    return None
+                raise
+            stream.stats.add_shard(shard.record)
+            stream._sizes[(key, self.epoch)] = len(shard)
+            if not getattr(stream.source, "_per_epoch", False):
+                stream._sizes[(key, None)] = len(shard)
+            logger.info("shard %r ready: %d samples (generate %.2f s, load %.2f s, "
+                        "transform %.2f s%s)", key, len(shard), shard.record.generate_s,
+                        shard.record.load_s, shard.record.transform_s,
+                        ", cached" if shard.record.cache_hit else "")
+            return shard
+
+    def _result(self, fut: cf.Future) -> Shard:
+        clock = self.stream.stats.clock
+        start = clock()
+        try:
+            return self._poll(fut)
+        finally:
+            self.last_wait_s = clock() - start
+
+    def _poll(self, fut: cf.Future) -> Shard:
+        while True:
+            try:
+                return fut.result(timeout=WAIT_SLICE_S)
+            except cf.TimeoutError:
+                self.stream.check_open()
+                if self.cancelled:
+                    raise LoaderClosed("this epoch pass was cancelled") from None
+
+    def cancel(self) -> None:
+        """Drop queued work; running producers finish (populating caches) and are ignored."""
+        self.cancelled = True
+        while self.pending:
+            _, _, fut = self.pending.popleft()
+            fut.cancel()
+
