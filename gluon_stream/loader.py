@@ -28,7 +28,7 @@ import numpy as np
 from . import _compat
 from .errors import LoaderClosed
 from .sources import Source
-from .stats import EpochRecord, Stats
+from .stats import EpochRecord, ProgressBar, Stats
 from .stream import Shard, ShardStream, _EpochRun
 
 __all__ = ["StreamLoader"]
@@ -134,6 +134,7 @@ class StreamLoader:
         on_error: ``'raise'``, ``'skip'`` or ``('retry', n)`` per shard.
         schema: Expected ``[(dtype, trailing_shape), ...]``; default: the first shard's.
         stats: A :class:`Stats` to record into (default: a new one, ``loader.stats``).
+        progress: Show a tqdm bar per epoch (samples/s, share of time waiting, shards ahead).
 
     Example:
         >>> import numpy as np
@@ -153,7 +154,7 @@ class StreamLoader:
                  pin_device_id: int = 0, timeout: float = 120, prefetch: int = 2,
                  producers: int = 1, on_error: Any = "raise",
                  schema: Sequence[tuple[Any, Sequence[int]]] | None = None,
-                 stats: Stats | None = None) -> None:
+                 stats: Stats | None = None, progress: bool = False) -> None:
         _compat.require_mxnet()
         if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) \
                 or batch_size <= 0:
@@ -192,6 +193,7 @@ class StreamLoader:
         self.pin_device_id = pin_device_id
         self.timeout = timeout
         self.stream = stream
+        self.progress = progress
         self.vectorised = batchify_fn is None and sample_transform is None
         self._rollover: Any = None
         self._swap = _SwapDataset()
@@ -222,12 +224,17 @@ class StreamLoader:
         self.stream.set_epoch(epoch)
 
     def __len__(self) -> int:
-        total = self.stream.epoch_size(self.stream.epoch)
-        if total is None:
+        count = self._num_batches(self.stream.epoch)
+        if count is None:
             raise TypeError("len(StreamLoader) is unknown: the keys are an iterator, or shard sizes "
                             "are not known yet (a transform changes them); iterate one epoch first")
-        total += _carry_len(self._rollover)
-        full, rest = divmod(total, self.batch_size)
+        return count
+
+    def _num_batches(self, epoch: int) -> int | None:
+        total = self.stream.epoch_size(epoch)
+        if total is None:
+            return None
+        full, rest = divmod(total + _carry_len(self._rollover), self.batch_size)
         return full + (1 if rest and self.last_batch == "keep" else 0)
 
     def __iter__(self) -> Iterator[Any]:
@@ -256,6 +263,7 @@ class StreamLoader:
         clock = stats.clock
         record = stats.new_epoch(run.epoch)
         start = waiting_since = clock()
+        bar = ProgressBar(run.epoch, self._num_batches(run.epoch)) if self.progress else None
         carry, self._rollover = self._rollover, None
         batches = (self._slice_batches if self.vectorised else self._dataloader_batches)
         try:
@@ -270,6 +278,9 @@ class StreamLoader:
                 stats.add_span("train", "wait", waiting_since, now)
                 record.batches += 1
                 record.samples += _batch_len(batch)
+                if bar is not None:
+                    record.wall_s = now - start
+                    bar.update(record, run.ready_ahead())
                 yield batch
                 waiting_since = clock()
                 stats.add_span("train", "busy", now, waiting_since)
@@ -278,6 +289,8 @@ class StreamLoader:
             run.cancel()
             record.skipped_shards = run.skipped
             record.wall_s = clock() - start
+            if bar is not None:
+                bar.close()
 
     def _shards(self, run: _EpochRun, record: EpochRecord) -> Iterator[Shard]:
         """The epoch's shards; marks each boundary so ``_epoch`` can time the rotation."""

@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-__all__ = ["EpochRecord", "ShardRecord", "Span", "Stats"]
+__all__ = ["EpochRecord", "ProgressBar", "ShardRecord", "Span", "Stats"]
 
 MAX_SPANS = 200_000
 
@@ -119,3 +119,26 @@ class Stats:
                 f"load {sum(s.load_s for s in produced):.2f} s, "
                 f"transform {sum(s.transform_s for s in produced):.2f} s in total")
         return "\n".join(lines)
+
+
+class ProgressBar:
+    """A tqdm bar for one epoch: samples/s, the share of time the loop waited, shards ready ahead.
+
+    ``tqdm.auto`` renders a widget in Jupyter and text in a terminal.
+    """
+
+    def __init__(self, epoch: int, total: int | None) -> None:
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(total=total, desc=f"epoch {epoch}", unit="batch", leave=True,
+                         dynamic_ncols=True)
+
+    def update(self, record: EpochRecord, ahead: int) -> None:
+        wall = record.wall_s or 1e-9
+        self._bar.set_postfix(samples_s=f"{record.samples / wall:,.0f}",
+                              waiting=f"{100.0 * record.stall_s / wall:.0f}%", ahead=ahead,
+                              refresh=False)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()
