@@ -1,0 +1,315 @@
+"""StreamLoader: exact-once delivery across shard boundaries, last_batch modes, determinism,
+prefetch overlap, lifecycle. Every sample carries a unique id (1000 * key + row)."""
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import sys
+import threading
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+import gluon_stream as gs
+from conftest import batch_ids, id_shards
+
+SIZES = [7, 0, 3, 12, 5, 10]  # not multiples of 4, one empty shard, one smaller than a batch
+BS = 4
+DATALOADER = {"batchify_fn": mx.gluon.data.dataloader.default_batchify_fn}
+PATHS = {"vectorised": {}, "dataloader": DATALOADER,
+         "dataloader-2-threads": dict(DATALOADER, num_workers=2)}
+
+
+def all_ids(sizes, start=0):
+    return sorted(1000 * k + i + start for k, n in enumerate(sizes) for i in range(n))
+
+
+def make_loader(sizes=SIZES, **kw):
+    kw.setdefault("batch_size", BS)
+    return gs.StreamLoader(gs.FunctionSource(range(len(sizes)), id_shards(sizes)), **kw)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_keep_delivers_each_sample_once_and_full_batches(path, shuffle):
+    with make_loader(shuffle=shuffle, seed=3, **PATHS[path]) as loader:
+        batches = [batch_ids(b) for b in loader]
+    ids = [i for b in batches for i in b]
+    assert sorted(ids) == all_ids(SIZES)
+    assert collections.Counter(ids).most_common(1)[0][1] == 1
+    assert [len(b) for b in batches[:-1]] == [BS] * (len(batches) - 1)
+    assert len(batches[-1]) == sum(SIZES) % BS == 1
+    assert len(batches) == -(-sum(SIZES) // BS)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_last_batch_modes_at_epoch_end(path):
+    sizes = [5, 2, 6]  # 13 samples: three full batches of 4 and one left over
+    with make_loader(sizes, last_batch="keep", **PATHS[path]) as loader:
+        assert [len(batch_ids(b)) for b in loader] == [4, 4, 4, 1]
+    with make_loader(sizes, last_batch="discard", **PATHS[path]) as loader:
+        ids = [i for b in loader for i in batch_ids(b)]
+    assert len(ids) == 12 and len(set(ids)) == 12 and set(ids) < set(all_ids(sizes))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_rollover_carries_the_remainder_into_the_next_epoch_only(path):
+    # keys(epoch) gives each epoch its own keys, so every id tells which epoch made it
+    sizes = {k: [5, 2, 6][k % 10] for k in (0, 1, 2, 10, 11, 12, 20, 21, 22)}
+
+    def fn(key):
+        ids = np.arange(sizes[key], dtype=np.int64) + 1000 * key
+        return ids, ids.astype(np.float32)
+
+    src = gs.FunctionSource(lambda epoch: [10 * epoch, 10 * epoch + 1, 10 * epoch + 2], fn)
+    with gs.StreamLoader(src, batch_size=BS, last_batch="rollover", **PATHS[path]) as loader:
+        epochs = []
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            epochs.append([batch_ids(b) for b in loader])
+    for epoch, batches in enumerate(epochs):
+        assert all(len(b) == BS for b in batches)
+    left0 = set(all_ids([5, 2, 6])) - {i for b in epochs[0] for i in b}
+    assert len(left0) == 1
+    assert left0 <= set(epochs[1][0])  # at the start of epoch 1 ...
+    assert not left0 & {i for b in epochs[1][1:] + epochs[2] for i in b}  # ... and nowhere else
+    delivered = [i for batches in epochs for b in batches for i in b]
+    assert len(delivered) == len(set(delivered)) == 36  # 39 made, 3 rolled past epoch 2
+
+
+def test_leftover_of_a_shard_starts_the_next_shards_first_batch():
+    with make_loader([6, 6]) as loader:
+        batches = [batch_ids(b) for b in loader]
+    assert batches == [[0, 1, 2, 3], [4, 5, 1000, 1001], [1002, 1003, 1004, 1005]]
+
+
+def test_multi_array_batches_are_lists_and_single_arrays_are_ndarrays():
+    with make_loader([8]) as loader:
+        data, label = next(iter(loader))
+        assert isinstance(data, mx.nd.NDArray) and data.dtype == np.int64
+        assert (label.asnumpy() == data.asnumpy() * 0.5).all()
+    src = gs.FunctionSource([0], lambda k: np.arange(8, dtype=np.float32))
+    with gs.StreamLoader(src, batch_size=4) as loader:
+        batch = next(iter(loader))
+        assert isinstance(batch, mx.nd.NDArray) and batch.shape == (4,)
+
+
+@pytest.mark.parametrize("path", ["vectorised", "dataloader"])
+def test_vectorised_and_dataloader_paths_give_identical_batches(path):
+    def run(**kw):
+        with make_loader(shuffle=True, seed=11, **kw) as loader:
+            loader.set_epoch(2)
+            return [[b.asnumpy().tolist() for b in batch] for batch in loader]
+    assert run(**PATHS[path]) == run(**DATALOADER)
+
+
+def test_shuffle_is_deterministic_per_seed_and_epoch():
+    def order(seed, epoch):
+        with make_loader(shuffle=True, seed=seed) as loader:
+            loader.set_epoch(epoch)
+            return [i for b in loader for i in batch_ids(b)]
+    assert order(5, 0) == order(5, 0)
+    assert order(5, 0) != order(5, 1)
+    assert order(5, 0) != order(6, 0)
+    assert sorted(order(5, 1)) == all_ids(SIZES)
+    with make_loader(shuffle=False) as loader:
+        assert [i for b in loader for i in batch_ids(b)] == all_ids(SIZES)
+
+
+def test_without_set_epoch_each_pass_is_the_next_epoch():
+    with make_loader(shuffle=True, seed=5) as loader:
+        first = [i for b in loader for i in batch_ids(b)]
+        second = [i for b in loader for i in batch_ids(b)]
+        loader.set_epoch(1)
+        again = [i for b in loader for i in batch_ids(b)]
+    assert first != second and second == again
+
+
+class Gate:
+    """A FunctionSource fn that records when each key starts and blocks until released."""
+
+    def __init__(self, sizes):
+        self.sizes = sizes
+        self.started = collections.defaultdict(threading.Event)
+        self.release = collections.defaultdict(threading.Event)
+
+    def __call__(self, key):
+        self.started[key].set()
+        assert self.release[key].wait(30), f"test never released key {key}"
+        return id_shards(self.sizes)(key)
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_next_shards_are_produced_while_the_current_one_is_consumed(prefetch):
+    gate = Gate([8] * 6)
+    src = gs.FunctionSource(range(6), gate)
+    with gs.StreamLoader(src, batch_size=BS, prefetch=prefetch, producers=3) as loader:
+        it = iter(loader)
+        gate.release[0].set()
+        assert batch_ids(next(it))[0] == 0  # consuming shard 0 ...
+        for k in range(1, prefetch + 1):  # ... while shards 1..prefetch are being produced
+            assert gate.started[k].wait(10)
+        assert not gate.started[prefetch + 1].is_set()  # and no more than prefetch ahead
+        for k in range(6):
+            gate.release[k].set()
+        rest = [i for b in it for i in batch_ids(b)]
+    assert len(rest) == 6 * 8 - BS
+
+
+def test_endless_iterator_draws_only_what_prefetch_needs():
+    drawn = []
+
+    def keys():
+        for k in itertools.count():
+            drawn.append(k)
+            if k == 5:
+                return
+            yield k
+
+    src = gs.FunctionSource(keys(), id_shards([8] * 6))
+    with gs.StreamLoader(src, batch_size=BS, prefetch=2) as loader:
+        it = iter(loader)
+        next(it)
+        assert len(drawn) <= 3  # the current shard + 2 ahead
+        with pytest.raises(TypeError, match="iterator"):
+            len(loader)
+        ids = [i for b in it for i in batch_ids(b)]
+    assert len(ids) + BS == 5 * 8  # streamed until the iterator ended, in its order
+    assert ids[-1] == 4007
+
+
+def test_breaking_out_then_iterating_again_gives_a_clean_epoch():
+    with make_loader(shuffle=True, seed=1) as loader:
+        for _ in range(3):
+            loader.set_epoch(0)
+            for i, _ in enumerate(loader):
+                if i == 2:
+                    break
+        loader.set_epoch(0)
+        with pytest.raises(KeyboardInterrupt):
+            for i, _ in enumerate(loader):
+                if i == 4:
+                    raise KeyboardInterrupt
+        loader.set_epoch(0)
+        ids = [i for b in loader for i in batch_ids(b)]
+    assert sorted(ids) == all_ids(SIZES)
+
+
+def test_len_from_file_headers_and_after_a_pass(tmp_path):
+    paths = []
+    for k, n in enumerate([5, 7, 9]):
+        paths.append(str(tmp_path / f"s{k}.npy"))
+        np.save(paths[-1], np.arange(n))
+    with gs.StreamLoader(gs.FileSource(paths), batch_size=4) as loader:
+        assert len(loader) == 6 == sum(1 for _ in loader)
+    with gs.StreamLoader(gs.FileSource(paths), batch_size=4, last_batch="discard") as loader:
+        assert len(loader) == 5 == sum(1 for _ in loader)
+    with make_loader(transform=lambda raw: raw) as loader:
+        with pytest.raises(TypeError, match="unknown"):
+            len(loader)
+        assert sum(1 for _ in loader) == len(loader) == 10
+
+
+def test_closed_loader_raises_and_close_is_idempotent():
+    loader = make_loader()
+    next(iter(loader))
+    loader.close()
+    loader.close()
+    with pytest.raises(gs.LoaderClosed):
+        iter(loader)
+
+
+def test_garbage_collection_closes_an_abandoned_loader():
+    loader = make_loader(shuffle=True, seed=0)
+    it = iter(loader)
+    next(it)
+    threads = [t for t in threading.enumerate() if t.name.startswith("gluon_stream")]
+    assert threads
+    del it, loader
+    # the autouse leak check fails this test if the producer threads outlive the loader
+
+
+@pytest.mark.parametrize("bad", [dict(batch_size=0), dict(batch_size=2.5), dict(last_batch="x"),
+                                 dict(num_workers=-1), dict(prefetch=-1), dict(producers=0),
+                                 dict(on_error="ignore")])
+def test_bad_arguments_name_the_argument(bad):
+    kw = dict(batch_size=4)
+    kw.update(bad)
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        make_loader(**kw)
+
+
+def test_stream_settings_must_be_set_on_the_stream():
+    stream = gs.ShardStream(gs.FunctionSource([0], id_shards([4])), shuffle=True, seed=0)
+    with pytest.raises(ValueError, match="ShardStream"):
+        gs.StreamLoader(stream, batch_size=2, shuffle=True)
+    with gs.StreamLoader(stream, batch_size=2) as loader:
+        assert sorted(i for b in loader for i in batch_ids(b)) == [0, 1, 2, 3]
+    stream.close()
+
+
+def test_shard_stream_yields_shards_in_order_with_datasets():
+    with gs.ShardStream(gs.FunctionSource(range(4), id_shards([3, 0, 2, 5])), prefetch=1) as s:
+        shards = list(s)
+    assert [(sh.key, sh.index, len(sh)) for sh in shards] == [(0, 0, 3), (1, 1, 0), (2, 2, 2),
+                                                             (3, 3, 5)]
+    assert isinstance(shards[3].dataset, mx.gluon.data.ArrayDataset)
+    assert shards[3].dataset[1][0] == 3001
+
+
+GENERATOR = """\
+import os, sys
+import numpy as np
+key, out, log = sys.argv[1], sys.argv[2], sys.argv[3]
+with open(log, "a") as fp:
+    fp.write(key + "\\n")
+if key.startswith("bad"):
+    sys.stderr.write("generator: no data for " + key + "\\n")
+    sys.exit(3)
+np.save(out, np.full((6, 2), int(key.split("-")[-1]), dtype=np.float32))
+"""
+
+
+def test_command_source_caches_and_reports_failures(tmp_path):
+    script = tmp_path / "gen.py"
+    script.write_text(GENERATOR)
+    log = tmp_path / "runs.log"
+    cache = tmp_path / "cache"
+    cmd = [sys.executable, str(script), "{key}", "{path}", str(log)]
+    keys = ["d-1", "d-2", "d-3"]
+    for _ in range(2):
+        src = gs.CommandSource(keys, cmd, cache_dir=cache, retries=0)
+        with gs.StreamLoader(src, batch_size=4, prefetch=2, producers=2) as loader:
+            values = sorted(int(v) for b in loader for v in b.asnumpy()[:, 0])
+        assert values == [1] * 6 + [2] * 6 + [3] * 6
+    assert sorted(log.read_text().split()) == keys  # the second pass hit the cache
+    assert sorted(os.listdir(cache)) == ["d-1.npy", "d-2.npy", "d-3.npy"]  # no temp or lock files
+
+    src = gs.CommandSource(["d-1", "bad-2"], cmd, cache_dir=cache, retries=1, backoff=0.01)
+    with gs.StreamLoader(src, batch_size=4) as loader:
+        it = iter(loader)
+        assert len(next(it)) == 4  # shard d-1 is delivered before the failure surfaces
+        with pytest.raises(gs.ShardError) as info:
+            list(it)
+    err = info.value
+    assert err.key == "bad-2" and err.returncode == 3 and err.argv[1] == str(script)
+    assert "no data for bad-2" in err.stderr_tail and "bad-2" in str(err)
+    assert log.read_text().split().count("bad-2") == 2  # one retry
+    assert not [f for f in os.listdir(cache) if f.startswith(".")]
+
+
+def test_epoch_in_command_caches_per_key_and_epoch(tmp_path):
+    script = tmp_path / "gen.py"
+    script.write_text("import sys, numpy as np\n"
+                      "np.save(sys.argv[2], np.full((4,), int(sys.argv[3]), dtype=np.int64))\n")
+    cmd = [sys.executable, str(script), "{key}", "{path}", "{epoch}"]
+    src = gs.CommandSource(lambda epoch: ["a", "b"], cmd, cache_dir=tmp_path / "c")
+    with gs.StreamLoader(src, batch_size=8) as loader:
+        seen = []
+        for epoch in (0, 1):
+            loader.set_epoch(epoch)
+            seen.append(sorted(set(int(v) for b in loader for v in b.asnumpy())))
+    assert seen == [[0], [1]]
+    assert sorted(os.listdir(tmp_path / "c")) == ["a@e0.npy", "a@e1.npy", "b@e0.npy", "b@e1.npy"]
