@@ -6,7 +6,7 @@ import logging
 import sys
 from typing import Sequence
 
-from . import demo
+from . import bench, demo
 from ._version import __version__
 from .errors import StreamError
 
@@ -21,6 +21,7 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log INFO lines")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     demo.register(subparsers)
+    bench.register(subparsers)
     return parser
 
 
