@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -39,28 +39,53 @@ LAST_BATCH_MODES = ("keep", "discard", "rollover")
 
 
 class _ShardDataset:
-    """A shard's arrays preceded by samples carried over from the previous shard."""
+    """Samples carried over from earlier shards, then a shard's rows from ``start`` on."""
 
     def __init__(self, carry: list, arrays: Sequence[Any],
-                 sample_transform: Callable[..., Any] | None) -> None:
+                 sample_transform: Callable[..., Any] | None, start: int = 0) -> None:
         self.carry = carry
         self.arrays = tuple(arrays)
         self.sample_transform = sample_transform
+        self.start = start
 
     def __len__(self) -> int:
-        return len(self.carry) + (len(self.arrays[0]) if self.arrays else 0)
-
-    def raw(self, idx: int, copy: bool = False) -> tuple:
-        if idx < len(self.carry):
-            return self.carry[idx]
-        i = idx - len(self.carry)
-        return tuple(np.array(a[i]) if copy else a[i] for a in self.arrays)
+        rows = len(self.arrays[0]) - self.start if self.arrays else 0
+        return len(self.carry) + rows
 
     def __getitem__(self, idx: int) -> Any:
-        item = self.raw(idx)
+        if idx < len(self.carry):
+            item = self.carry[idx]
+        else:
+            item = tuple(a[self.start + idx - len(self.carry)] for a in self.arrays)
         if self.sample_transform is not None:
             return self.sample_transform(*item)
         return item[0] if len(item) == 1 else item
+
+
+class _Carry:
+    """Samples waiting for the next batch, and the shard rows they came from (for state_dict).
+
+    Chunks are tuples of NDArrays (vectorised path) or lists of samples (DataLoader path).
+    """
+
+    def __init__(self) -> None:
+        self.chunks: list = []
+        self.segments: list[dict] = []
+        self.count = 0
+
+    def add(self, chunk: Any, segment: dict, count: int) -> None:
+        self.chunks.append(chunk)
+        self.segments.append(segment)
+        self.count += count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def joined(self) -> tuple:
+        return tuple(_compat.concat(parts) for parts in zip(*self.chunks))
+
+    def samples(self) -> list:
+        return [sample for chunk in self.chunks for sample in chunk]
 
 
 class _SwapDataset:
@@ -135,6 +160,14 @@ class StreamLoader:
         schema: Expected ``[(dtype, trailing_shape), ...]``; default: the first shard's.
         stats: A :class:`Stats` to record into (default: a new one, ``loader.stats``).
         progress: Show a tqdm bar per epoch (samples/s, share of time waiting, shards ahead).
+        num_parts, part_index: This rank's part of every epoch's shards (MXNet's names);
+            ``'auto'`` reads them from ``kvstore``, Horovod or the launcher's environment.
+        kvstore: An MXNet kvstore to read the rank from with ``'auto'``.
+        even_batches: Every part yields the same number of full batches per epoch (the
+            smallest part's count; the few samples beyond it wait for another epoch, dealt
+            differently), so synchronous training never waits on a rank that ran out.
+        shard_sizes: ``{key: samples}`` or ``fn(key)`` after ``transform``, when file headers
+            cannot tell (for ``len()`` and ``even_batches``).
 
     Example:
         >>> import numpy as np
@@ -154,7 +187,10 @@ class StreamLoader:
                  pin_device_id: int = 0, timeout: float = 120, prefetch: int = 2,
                  producers: int = 1, on_error: Any = "raise",
                  schema: Sequence[tuple[Any, Sequence[int]]] | None = None,
-                 stats: Stats | None = None, progress: bool = False) -> None:
+                 stats: Stats | None = None, progress: bool = False,
+                 num_parts: int | str = 1, part_index: int | str = 0, kvstore: Any = None,
+                 even_batches: bool = False,
+                 shard_sizes: Mapping[Any, int] | Callable[[Any], int] | None = None) -> None:
         _compat.require_mxnet()
         if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) \
                 or batch_size <= 0:
@@ -165,6 +201,9 @@ class StreamLoader:
             raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        if even_batches and last_batch == "rollover":
+            raise ValueError("even_batches=True delivers only full batches, so last_batch='rollover' "
+                             "has nothing to roll over; use last_batch='keep' or 'discard'")
         for name, fn in (("sample_transform", sample_transform), ("batchify_fn", batchify_fn)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
@@ -172,7 +211,9 @@ class StreamLoader:
             given = {"transform": transform is not None, "shuffle": shuffle, "seed": seed is not None,
                      "prefetch": prefetch != 2, "producers": producers != 1,
                      "on_error": on_error != "raise", "schema": schema is not None,
-                     "stats": stats is not None}
+                     "stats": stats is not None, "num_parts": num_parts != 1,
+                     "part_index": part_index != 0, "kvstore": kvstore is not None,
+                     "shard_sizes": shard_sizes is not None}
             clash = [name for name, set_ in given.items() if set_]
             if clash:
                 raise ValueError(f"{', '.join(clash)} given to StreamLoader together with a "
@@ -181,9 +222,12 @@ class StreamLoader:
         else:
             stream = ShardStream(source, transform=transform, prefetch=prefetch,
                                  producers=producers, shuffle=shuffle, seed=seed,
-                                 on_error=on_error, schema=schema, stats=stats)
+                                 on_error=on_error, schema=schema, stats=stats,
+                                 num_parts=num_parts, part_index=part_index, kvstore=kvstore,
+                                 shard_sizes=shard_sizes)
             owns = True
         self.batch_size = int(batch_size)
+        self.even_batches = bool(even_batches)
         self.last_batch = last_batch
         self.num_workers = num_workers
         self.thread_pool = thread_pool
@@ -195,7 +239,10 @@ class StreamLoader:
         self.stream = stream
         self.progress = progress
         self.vectorised = batchify_fn is None and sample_transform is None
-        self._rollover: Any = None
+        self._rollover: _Carry | None = None
+        self._position: dict | None = None  # where the epoch in progress stands
+        self._resume: dict | None = None  # set by load_state_dict for the next pass
+        self._finished_epoch: int | None = None
         self._swap = _SwapDataset()
         self._batch_list = _BatchList()
         self._shared_dataloader: Any = None
@@ -239,8 +286,70 @@ class StreamLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self._check_open()
-        run = self.stream.start_epoch()
+        resume = self._resume
+        if resume is not None and resume["epoch"] != self.stream.epoch:
+            logger.warning("state loaded for epoch %d, but epoch %d starts: iterating it from its "
+                           "beginning", resume["epoch"], self.stream.epoch)
+            self._resume = resume = None
+        run = self.stream.start_epoch(skip=resume["shard"] if resume else 0)
         return self._epoch(run)
+
+    STATE_VERSION = 1
+
+    def state_dict(self) -> dict:
+        """Where the stream stands, as a small JSON-serialisable dict (take it between batches).
+
+        A fresh loader with the same arguments continues, after :meth:`load_state_dict`, with
+        exactly the batches this one would have produced next.
+        """
+        if self._position is not None:
+            position = dict(self._position, carry=list(self._position["carry"]))
+        else:
+            epoch = self.stream.epoch
+            if epoch == self._finished_epoch:  # set_epoch(e) then a whole pass: e + 1 is next
+                epoch += 1
+            position = {"epoch": epoch, "shard": 0, "offset": 0, "batches": 0,
+                        "carry": list(self._rollover.segments) if self._rollover else []}
+        return dict(position, version=self.STATE_VERSION, seed=self.stream.seed,
+                    shuffle=self.stream.shuffle, batch_size=self.batch_size,
+                    num_parts=self.stream.num_parts, part_index=self.stream.part_index)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict` of a loader built with the same arguments."""
+        expected = {"version": self.STATE_VERSION, "seed": self.stream.seed,
+                    "shuffle": self.stream.shuffle, "batch_size": self.batch_size,
+                    "num_parts": self.stream.num_parts, "part_index": self.stream.part_index}
+        missing = {"epoch", "shard", "offset", "batches", "carry"} - set(state)
+        if missing:
+            raise ValueError(f"not a StreamLoader state: missing {sorted(missing)}")
+        differ = {k: (state.get(k), v) for k, v in expected.items() if state.get(k) != v}
+        if differ:
+            raise ValueError(f"state was saved by a loader with other settings "
+                             f"(saved, this one): {differ}; build the loader as before")
+        self._resume = {k: state[k] for k in ("epoch", "shard", "offset", "batches", "carry")}
+        self._rollover = None
+        self.stream.set_epoch(int(state["epoch"]))
+
+    def _rebuild_carry(self, segments: list) -> _Carry | None:
+        """Produce the shards that carried samples came from again, and cut the same rows."""
+        if not segments:
+            return None
+        carry = _Carry()
+        key_lists: dict[int, list | None] = {}
+        for seg in segments:
+            epoch = int(seg["epoch"])
+            if epoch not in key_lists:
+                key_lists[epoch] = self.stream.epoch_keys(epoch)[2]
+            keys = key_lists[epoch]
+            key = keys[seg["index"]] if keys is not None else seg["key"]
+            shard = self.stream.produce_now(key, epoch)
+            start, end = int(seg["start"]), int(seg["end"])
+            if self.vectorised:
+                chunk = tuple(a[start:end].copy() for a in shard.arrays)
+            else:
+                chunk = [_row(shard.arrays, i) for i in range(start, end)]
+            carry.add(chunk, dict(seg), end - start)
+        return carry
 
     def close(self) -> None:
         """Stop producers, end worker pools, kill generators, remove temp files; idempotent."""
@@ -264,10 +373,23 @@ class StreamLoader:
         record = stats.new_epoch(run.epoch)
         start = waiting_since = clock()
         bar = ProgressBar(run.epoch, self._num_batches(run.epoch)) if self.progress else None
-        carry, self._rollover = self._rollover, None
-        batches = (self._slice_batches if self.vectorised else self._dataloader_batches)
+        limit = self._even_limit(run.epoch)
+        resume, self._resume = self._resume, None
+        delivered = resume["batches"] if resume else 0
+        if resume:
+            carry = self._rebuild_carry(resume["carry"])
+            offset = resume["offset"]
+        else:
+            carry, offset = self._rollover, 0
+        self._rollover = None
+        position = self._position = {"epoch": run.epoch, "shard": run.index, "offset": offset,
+                                     "carry": carry.segments if carry else [],
+                                     "batches": delivered}
+        batches = self._slice_batches if self.vectorised else self._dataloader_batches
         try:
-            for batch in batches(run, carry, record):
+            for batch in batches(run, carry, offset, record, position):
+                if limit is not None and delivered >= limit:
+                    break  # even_batches: every part stops after the same number of batches
                 now = clock()
                 if record.first_batch_s is None:
                     record.first_batch_s = now - start
@@ -278,6 +400,8 @@ class StreamLoader:
                 stats.add_span("train", "wait", waiting_since, now)
                 record.batches += 1
                 record.samples += _batch_len(batch)
+                delivered += 1
+                position["batches"] = delivered
                 if bar is not None:
                     record.wall_s = now - start
                     bar.update(record, run.ready_ahead())
@@ -285,12 +409,26 @@ class StreamLoader:
                 waiting_since = clock()
                 stats.add_span("train", "busy", now, waiting_since)
             record.complete = True
+            self._position = None
+            self._finished_epoch = run.epoch
         finally:
             run.cancel()
             record.skipped_shards = run.skipped
             record.wall_s = clock() - start
             if bar is not None:
                 bar.close()
+
+    def _even_limit(self, epoch: int) -> int | None:
+        """With even_batches, the batch count every part can deliver this epoch."""
+        if not self.even_batches:
+            return None
+        sizes = self.stream.part_sizes(epoch)
+        if sizes is None:
+            raise TypeError(
+                f"even_batches=True needs every shard's size for epoch {epoch} on every rank: use "
+                "FileSource or a shared cache_dir filled ahead (gluon-stream generate), or pass "
+                "shard_sizes= (samples after transform)")
+        return min(sizes) // self.batch_size
 
     def _shards(self, run: _EpochRun, record: EpochRecord) -> Iterator[Shard]:
         """The epoch's shards; marks each boundary so ``_epoch`` can time the rotation."""
@@ -310,50 +448,75 @@ class StreamLoader:
             yield shard
             del shard
 
-    def _slice_batches(self, run: _EpochRun, carry: Any, record: EpochRecord) -> Iterator[Any]:
+    def _slice_batches(self, run: _EpochRun, carry: _Carry | None, offset: int,
+                       record: EpochRecord, position: dict) -> Iterator[Any]:
         bs = self.batch_size
         for shard in self._shards(run, record):
             arrays = shard.arrays
             n = len(shard)
-            pos = 0
-            if carry is not None and n:
-                pos = min(bs - len(carry[0]), n)
-                carry = tuple(_compat.concat([c, a[0:pos]]) for c, a in zip(carry, arrays))
-                if len(carry[0]) < bs:
+            pos, offset = offset, 0  # a resumed epoch starts its first shard at the offset
+            if carry is not None and pos < n:
+                take = min(bs - len(carry), n - pos)
+                carry.add(tuple(a[pos:pos + take] for a in arrays),
+                          _segment(shard, pos, pos + take), take)
+                pos += take
+                if len(carry) < bs:
                     continue
-                yield _as_batch(carry)
+                _advance(position, shard, pos)
+                yield _as_batch(carry.joined())
                 carry = None
             stop = pos + (n - pos) // bs * bs
             for begin in range(pos, stop, bs):
+                _advance(position, shard, begin + bs)
                 yield _as_batch(tuple(a[begin:begin + bs] for a in arrays))
             if stop < n:  # copy: a small leftover must not keep the whole shard alive
-                carry = tuple(a[stop:n].copy() for a in arrays)
+                carry = _Carry()
+                carry.add(tuple(a[stop:n].copy() for a in arrays), _segment(shard, stop, n),
+                          n - stop)
             del arrays
-        yield from self._finish_epoch(carry, _as_batch)
+        yield from self._finish_epoch(carry, lambda c: _as_batch(c.joined()), run, position)
 
-    def _dataloader_batches(self, run: _EpochRun, carry: Any, record: EpochRecord
-                            ) -> Iterator[Any]:
+    def _dataloader_batches(self, run: _EpochRun, carry: _Carry | None, offset: int,
+                            record: EpochRecord, position: dict) -> Iterator[Any]:
         bs = self.batch_size
-        carry = carry or []
         for shard in self._shards(run, record):
-            dataset = _ShardDataset(carry, shard.arrays, self.sample_transform)
-            stop = len(dataset) // bs * bs
-            carry = [dataset.raw(i, copy=True) for i in range(stop, len(dataset))]
-            if stop:
-                yield from self._run_dataloader(dataset, [list(range(i, i + bs))
-                                                          for i in range(0, stop, bs)])
+            pos, offset = offset, 0
+            n = len(shard)
+            held = len(carry) if carry is not None else 0
+            samples = carry.samples() if carry is not None else []
+            stop = (held + n - pos) // bs * bs
+            if not stop:  # too few to finish a batch: everything waits for the next shard
+                if pos < n:
+                    carry = carry or _Carry()
+                    carry.add([_row(shard.arrays, i) for i in range(pos, n)],
+                              _segment(shard, pos, n), n - pos)
+                continue
+            dataset = _ShardDataset(samples, shard.arrays, self.sample_transform, start=pos)
+            rest = pos + stop - held  # shard row of the first sample left over
+            carry = None
+            if rest < n:
+                carry = _Carry()
+                carry.add([_row(shard.arrays, i) for i in range(rest, n)],
+                          _segment(shard, rest, n), n - rest)
+            batches = [list(range(i, i + bs)) for i in range(0, stop, bs)]
+            for end, batch in zip(range(bs, stop + 1, bs), self._run_dataloader(dataset, batches)):
+                _advance(position, shard, pos + end - held)
+                yield batch
             del dataset, shard
 
-        def last(samples: list) -> Any:
-            dataset = _ShardDataset(samples, (), self.sample_transform)
-            return next(iter(self._run_dataloader(dataset, [list(range(len(samples)))])))
+        def last(c: _Carry) -> Any:
+            dataset = _ShardDataset(c.samples(), (), self.sample_transform)
+            return next(iter(self._run_dataloader(dataset, [list(range(len(dataset)))])))
 
-        yield from self._finish_epoch(carry or None, last)
+        yield from self._finish_epoch(carry, last, run, position)
 
-    def _finish_epoch(self, carry: Any, as_batch: Callable[[Any], Any]) -> Iterator[Any]:
-        if not _carry_len(carry):
+    def _finish_epoch(self, carry: _Carry | None, as_batch: Callable[[Any], Any],
+                      run: _EpochRun, position: dict) -> Iterator[Any]:
+        position.update(shard=run.index, offset=0, carry=carry.segments if carry else [])
+        if carry is None or not len(carry):
             return
         if self.last_batch == "keep":
+            position["carry"] = []
             yield as_batch(carry)
         elif self.last_batch == "rollover":
             self._rollover = carry
@@ -394,6 +557,25 @@ def _to_ndarrays(shard: Shard, ctx: Any) -> None:
         shard.arrays = tuple(_compat.to_ndarray(a, ctx) for a in shard.arrays)
 
 
+def _row(arrays: Sequence[Any], i: int) -> tuple:
+    """One sample as a tuple of copied rows (a carried sample must not pin its shard)."""
+    return tuple(np.array(a[i]) for a in arrays)
+
+
+def _segment(shard: Shard, start: int, end: int) -> dict:
+    """Where carried samples came from: enough to produce them again on resume."""
+    key = shard.key if isinstance(shard.key, (str, int, float)) else str(shard.key)
+    return {"epoch": shard.epoch, "index": shard.index, "key": key, "start": start, "end": end}
+
+
+def _advance(position: dict, shard: Shard, offset: int) -> None:
+    """Record that the next sample to read is row ``offset`` of ``shard`` (nothing carried)."""
+    if offset >= len(shard):
+        position.update(shard=shard.index + 1, offset=0, carry=[])
+    else:
+        position.update(shard=shard.index, offset=offset, carry=[])
+
+
 def _as_batch(arrays: tuple) -> Any:
     return arrays[0] if len(arrays) == 1 else list(arrays)
 
@@ -403,9 +585,5 @@ def _batch_len(batch: Any) -> int:
     return int(first.shape[0])
 
 
-def _carry_len(carry: Any) -> int:
-    if not carry:
-        return 0
-    if isinstance(carry, list):  # DataLoader path: a list of samples
-        return len(carry)
-    return int(carry[0].shape[0])
+def _carry_len(carry: _Carry | None) -> int:
+    return len(carry) if carry is not None else 0

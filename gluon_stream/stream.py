@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import itertools
 import logging
 import threading
 import weakref
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from .distributed import resolve_parts
 from .errors import LoaderClosed, SchemaMismatch
 from .shardfile import normalize_arrays
 from .sources import RawShard, Source
@@ -113,6 +115,13 @@ class ShardStream:
             count it in stats), or ``('retry', n)``.
         schema: Expected ``[(dtype, trailing_shape), ...]`` per array; by default the first
             shard's schema is expected of all later ones.
+        num_parts, part_index: Train on part ``part_index`` of ``num_parts`` (one per rank):
+            each epoch's shards are dealt to the parts deterministically from ``(seed, epoch)``,
+            differently each epoch. ``'auto'`` reads them from ``kvstore``, Horovod or the
+            launcher's environment (see :func:`gluon_stream.distributed.resolve_parts`).
+        kvstore: An MXNet kvstore to read the rank from with ``'auto'``.
+        shard_sizes: ``{key: samples}`` or ``fn(key) -> samples`` (after ``transform``), for
+            ``len()`` and ``even_batches`` when headers cannot tell.
 
     Example:
         >>> from gluon_stream import FunctionSource
@@ -125,7 +134,9 @@ class ShardStream:
                  prefetch: int = 2, producers: int = 1, shuffle: bool = False,
                  seed: int | None = None, on_error: Any = "raise",
                  schema: Sequence[tuple[Any, Sequence[int]]] | None = None,
-                 stats: Stats | None = None) -> None:
+                 stats: Stats | None = None, num_parts: int | str = 1,
+                 part_index: int | str = 0, kvstore: Any = None,
+                 shard_sizes: Mapping[Any, int] | Callable[[Any], int] | None = None) -> None:
         if not isinstance(source, Source):
             raise TypeError(f"source must be a CommandSource, FunctionSource or FileSource, got "
                             f"{type(source).__name__}")
@@ -140,6 +151,10 @@ class ShardStream:
         self.prefetch = prefetch
         self.producers = producers
         self.shuffle = bool(shuffle)
+        self.num_parts, self.part_index = resolve_parts(num_parts, part_index, kvstore=kvstore)
+        if seed is None and self.shuffle and self.num_parts > 1:
+            raise ValueError("shuffle=True with num_parts > 1 needs an explicit seed, the same on "
+                             "every rank, so that the ranks agree on who gets which shard")
         if seed is None and self.shuffle:
             seed = int(np.random.SeedSequence().entropy % (2 ** 31))
             logger.info("shuffle=True without a seed: using seed=%d", seed)
@@ -152,6 +167,7 @@ class ShardStream:
         self._epoch_set = False
         self._finisher: Callable[[Shard], None] | None = None
         self._sizes: dict[tuple, int] = {}
+        self._shard_sizes = shard_sizes
         self._res = _Resources(source, producers)
         self._finalizer = weakref.finalize(self, self._res.close)
 
@@ -169,31 +185,52 @@ class ShardStream:
         if self.closed:
             raise LoaderClosed("this ShardStream/StreamLoader is closed; create a new one")
 
-    def epoch_keys(self, epoch: int) -> tuple[Iterator[Any], bool, list | None]:
-        """(keys iterator, finite, key list or None) in this epoch's shard order."""
+    def epoch_keys(self, epoch: int, part_index: int | None = None
+                   ) -> tuple[Iterator[Any], bool, list | None]:
+        """(keys iterator, finite, key list or None) of one part in this epoch's shard order."""
+        part = self.part_index if part_index is None else part_index
         keys, finite = self.source.keys_for_epoch(epoch)
         if not finite:
-            return iter(keys), False, None
+            if self.num_parts == 1:
+                return iter(keys), False, None
+            return itertools.islice(keys, part, None, self.num_parts), False, None
         keys = list(keys)
-        if self.shuffle and keys:
+        if self.num_parts > 1 and keys:  # deal shards to parts, differently each epoch
+            dealt = _seed_sequence(self.seed, epoch, 0xDEA1).permutation(len(keys))
+            mine = dealt[part::self.num_parts]
+            keys = [keys[i] for i in (mine if self.shuffle else np.sort(mine))]
+        elif self.shuffle and keys:
             order = _seed_sequence(self.seed, epoch, 0x5EED).permutation(len(keys))
             keys = [keys[i] for i in order]
         return iter(keys), True, keys
 
-    def epoch_size(self, epoch: int) -> int | None:
-        """Total samples of an epoch if known (file headers or an earlier pass), else None."""
-        _, finite, keys = self.epoch_keys(epoch)
+    def shard_size(self, key: Any, epoch: int) -> int | None:
+        """Samples in a shard after transform, if known without producing it."""
+        n = self._sizes.get((key, epoch), self._sizes.get((key, None)))
+        if n is None and self._shard_sizes is not None:
+            n = (self._shard_sizes(key) if callable(self._shard_sizes)
+                 else self._shard_sizes.get(key))
+        if n is None and self.transform is None:
+            n = self.source.num_samples(key, epoch)
+        return n
+
+    def epoch_size(self, epoch: int, part_index: int | None = None) -> int | None:
+        """Total samples of one part's epoch if every shard size is known, else None."""
+        _, finite, keys = self.epoch_keys(epoch, part_index)
         if not finite:
             return None
         total = 0
         for key in keys:
-            n = self._sizes.get((key, epoch), self._sizes.get((key, None)))
-            if n is None and self.transform is None:
-                n = self.source.num_samples(key, epoch)
+            n = self.shard_size(key, epoch)
             if n is None:
                 return None
             total += n
         return total
+
+    def part_sizes(self, epoch: int) -> list[int] | None:
+        """Total samples of every part in an epoch (for equal batch counts), or None if unknown."""
+        sizes = [self.epoch_size(epoch, part) for part in range(self.num_parts)]
+        return None if None in sizes else sizes
 
     # -- iteration ----------------------------------------------------------------------
     def __iter__(self) -> Iterator[Shard]:
@@ -208,8 +245,8 @@ class ShardStream:
         finally:
             run.cancel()
 
-    def start_epoch(self) -> "_EpochRun":
-        """Begin producing the current epoch; cancels any earlier unfinished pass."""
+    def start_epoch(self, skip: int = 0) -> "_EpochRun":
+        """Begin producing the current epoch after ``skip`` shards; cancels any unfinished pass."""
         self.check_open()
         for old in list(self._res.runs):
             old.cancel()
@@ -217,13 +254,18 @@ class ShardStream:
         if not self._epoch_set:
             self.epoch += 1  # without set_epoch, each pass is a new epoch
         self._epoch_set = False
-        run = _EpochRun(self, epoch)
+        run = _EpochRun(self, epoch, skip)
         self._res.runs.add(run)
         return run
 
-    def _produce(self, key: Any, epoch: int, index: int, run: "_EpochRun") -> Shard:
+    def produce_now(self, key: Any, epoch: int) -> Shard:
+        """Produce one shard in the calling thread, exactly as the producers would (for resume)."""
+        self.check_open()
+        return self._produce(key, epoch, -1, None)
+
+    def _produce(self, key: Any, epoch: int, index: int, run: "_EpochRun | None") -> Shard:
         """Runs in a producer thread: generate/load, transform, shuffle, finish."""
-        if run.cancelled:
+        if run is not None and run.cancelled:
             raise LoaderClosed("epoch pass cancelled")
         lane = threading.current_thread().name
         clock = self.stats.clock
@@ -244,7 +286,7 @@ class ShardStream:
             perm = _seed_sequence(self.seed, epoch, key_hash(key)).permutation(len(arrays[0]))
             arrays = tuple(a[perm] for a in arrays)
         shard = Shard(key, epoch, index, arrays)
-        if self._finisher is not None and not run.cancelled:
+        if self._finisher is not None and not (run is not None and run.cancelled):
             self._finisher(shard)
         t2 = clock()
         gen_end = t0 + raw.generate_s
@@ -281,12 +323,13 @@ class ShardStream:
 class _EpochRun:
     """One pass over an epoch's keys: a window of futures, consumed in order."""
 
-    def __init__(self, stream: ShardStream, epoch: int) -> None:
+    def __init__(self, stream: ShardStream, epoch: int, skip: int = 0) -> None:
         self.stream = stream
         self.epoch = epoch
-        self.keys, self.finite, _ = stream.epoch_keys(epoch)
+        self.keys, self.finite, self.key_list = stream.epoch_keys(epoch)
+        self.keys = itertools.islice(self.keys, skip, None)  # resume: not produced again
         self.pending: collections.deque = collections.deque()
-        self.index = 0
+        self.index = skip
         self.cancelled = False
         self.skipped = 0
         self.exhausted = False

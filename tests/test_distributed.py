@@ -1,0 +1,142 @@
+"""Rank sharding: disjoint parts that cover each epoch once, equal batch counts, 'auto' ranks."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import gluon_stream as gs
+from conftest import batch_ids, id_shards
+from gluon_stream.distributed import resolve_parts
+
+SIZES = [7, 2, 0, 9, 5, 6, 11, 3, 1, 8]  # awkward sizes, one empty shard
+
+
+def part_batches(num_parts, part, epoch=0, **kw):
+    src = gs.FunctionSource(range(len(SIZES)), id_shards(SIZES))
+    kw.setdefault("shard_sizes", dict(enumerate(SIZES)))
+    with gs.StreamLoader(src, batch_size=4, num_parts=num_parts, part_index=part, seed=3,
+                         **kw) as loader:
+        loader.set_epoch(epoch)
+        return [batch_ids(b) for b in loader]
+
+
+@pytest.mark.parametrize("num_parts", [2, 3, 4])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_parts_are_disjoint_and_cover_every_sample_once(num_parts, shuffle):
+    for epoch in (0, 1):
+        parts = [[i for b in part_batches(num_parts, r, epoch, shuffle=shuffle) for i in b]
+                 for r in range(num_parts)]
+        flat = [i for p in parts for i in p]
+        assert len(flat) == len(set(flat)) == sum(SIZES)
+
+
+def test_assignment_is_deterministic_and_reshuffled_each_epoch():
+    def shards_of(part, epoch):
+        return sorted({i // 1000 for b in part_batches(3, part, epoch) for i in b})
+    assert shards_of(0, 0) == shards_of(0, 0)
+    assert [shards_of(r, 0) for r in range(3)] != [shards_of(r, 1) for r in range(3)]
+
+
+@pytest.mark.parametrize("num_parts", [2, 3, 4])
+def test_even_batches_gives_every_part_the_same_number_of_full_batches(num_parts):
+    for epoch in (0, 1, 2):
+        parts = [part_batches(num_parts, r, epoch, even_batches=True) for r in range(num_parts)]
+        counts = {len(p) for p in parts}
+        assert len(counts) == 1 and counts.pop() > 0
+        assert all(len(b) == 4 for p in parts for b in p)
+        flat = [i for p in parts for b in p for i in b]
+        assert len(flat) == len(set(flat))  # truncation drops, never duplicates
+
+
+def test_even_batches_without_sizes_says_what_to_do():
+    src = gs.FunctionSource(range(4), id_shards([3] * 4))
+    with gs.StreamLoader(src, batch_size=2, num_parts=2, part_index=0, even_batches=True) as ld:
+        with pytest.raises(TypeError, match="shard_sizes"):
+            list(ld)
+    with pytest.raises(ValueError, match="rollover"):
+        gs.StreamLoader(src, batch_size=2, even_batches=True, last_batch="rollover")
+
+
+def test_even_batches_from_file_headers(tmp_path):
+    paths = []
+    for k, n in enumerate(SIZES):
+        paths.append(str(tmp_path / f"s{k}.npy"))
+        np.save(paths[-1], np.arange(n) + 1000 * k)
+    counts = set()
+    for r in range(3):
+        with gs.StreamLoader(gs.FileSource(paths), batch_size=4, num_parts=3, part_index=r,
+                             even_batches=True) as loader:
+            counts.add(sum(1 for _ in loader))
+    assert len(counts) == 1
+
+
+def test_resolve_parts_sources_and_errors():
+    assert resolve_parts(4, 2) == (4, 2)
+    assert resolve_parts("auto", "auto", environ={"RANK": "1", "WORLD_SIZE": "3"}) == (3, 1)
+    kv = types.SimpleNamespace(rank=2, num_workers=4)
+    assert resolve_parts("auto", "auto", kvstore=kv, environ={}) == (4, 2)
+    with pytest.raises(ValueError, match="disagree"):
+        resolve_parts("auto", "auto", kvstore=kv, environ={"RANK": "1", "WORLD_SIZE": "4"})
+    with pytest.raises(ValueError, match="found no rank"):
+        resolve_parts("auto", "auto", environ={})
+    with pytest.raises(ValueError, match="both"):
+        resolve_parts("auto", 0)
+    with pytest.raises(ValueError, match="part_index"):
+        resolve_parts(2, 2)
+    with pytest.raises(ValueError, match="seed"):
+        gs.StreamLoader(gs.FunctionSource(range(2), id_shards([2, 2])), batch_size=2,
+                        shuffle=True, num_parts=2, part_index=0)
+
+
+def test_resume_within_a_part():
+    def make():
+        src = gs.FunctionSource(range(len(SIZES)), id_shards(SIZES))
+        return gs.StreamLoader(src, batch_size=4, num_parts=2, part_index=1, seed=5,
+                               shuffle=True)
+    with make() as loader:
+        reference = [batch_ids(b) for b in loader]
+    with make() as first:
+        head = []
+        for b in first:
+            head.append(batch_ids(b))
+            if len(head) == 3:
+                break
+        state = first.state_dict()
+    with make() as second:
+        second.load_state_dict(state)
+        assert head + [batch_ids(b) for b in second] == reference
+
+
+WORKER = """
+import json, sys
+import gluon_stream as gs
+sys.path.insert(0, {tests!r})
+from conftest import id_shards, batch_ids
+sizes = {sizes!r}
+src = gs.FunctionSource(range(len(sizes)), id_shards(sizes))
+with gs.StreamLoader(src, batch_size=4, num_parts="auto", part_index="auto", seed=1,
+                     shuffle=True, even_batches=True, shard_sizes=dict(enumerate(sizes))) as ld:
+    print(json.dumps([batch_ids(b) for b in ld]))
+"""
+
+
+def test_ranks_as_real_processes(tmp_path):
+    import os
+    code = WORKER.format(tests=os.path.dirname(__file__), sizes=SIZES)
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="3"))
+             for r in range(3)]
+    outs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        outs.append(json.loads(out))
+    assert len({len(o) for o in outs}) == 1
+    flat = [i for o in outs for b in o for i in b]
+    assert len(flat) == len(set(flat)) and len(flat) >= sum(SIZES) - 3 * 4 * 2

@@ -1,0 +1,78 @@
+"""Exact mid-epoch resume: stop after k batches, resume in a new loader, compare with one run."""
+from __future__ import annotations
+
+import json
+
+import mxnet as mx
+import pytest
+
+import gluon_stream as gs
+from conftest import batch_ids
+
+SIZES = {k: n for k, n in zip(range(100), [7, 2, 0, 9, 5, 6] * 17)}
+EPOCHS = 3
+DATALOADER = {"batchify_fn": mx.gluon.data.dataloader.default_batchify_fn}
+
+
+def fn(key):
+    import numpy as np
+    ids = np.arange(SIZES[key], dtype=np.int64) + 1000 * key
+    return ids, ids.astype(np.float32)
+
+
+def make(**kw):
+    # each epoch has its own keys (so ids tell epochs apart) in a shuffled order
+    src = gs.FunctionSource(lambda epoch: [10 * epoch + i for i in range(6)], fn)
+    return gs.StreamLoader(src, batch_size=4, shuffle=True, seed=7, **kw)
+
+
+def run(loader, start_epoch=0, stop_after=None):
+    batches = []
+    for epoch in range(start_epoch, EPOCHS):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            batches.append(batch_ids(batch))
+            if stop_after is not None and len(batches) == stop_after:
+                return batches
+    return batches
+
+
+@pytest.mark.parametrize("path", ["vectorised", "dataloader"])
+@pytest.mark.parametrize("last_batch", ["keep", "rollover"])
+def test_resume_after_every_batch_gives_the_uninterrupted_sequence(path, last_batch):
+    kw = dict(last_batch=last_batch, **(DATALOADER if path == "dataloader" else {}))
+    with make(**kw) as loader:
+        reference = run(loader)
+    assert len(reference) > 20
+    for k in range(1, len(reference) + 1):
+        with make(**kw) as first:
+            head = run(first, stop_after=k)
+            state = json.loads(json.dumps(first.state_dict()))  # JSON round trip
+        with make(**kw) as second:
+            second.load_state_dict(state)
+            tail = run(second, start_epoch=state["epoch"])
+        assert head + tail == reference, f"resume after {k} batches (state {state})"
+
+
+def test_state_after_a_finished_epoch_resumes_at_the_next():
+    with make(last_batch="rollover") as loader:
+        reference = run(loader)
+    with make(last_batch="rollover") as first:
+        first.set_epoch(0)
+        head = [batch_ids(b) for b in first]
+        state = first.state_dict()
+    assert state["epoch"] == 1 and state["carry"]  # the rollover travels in the state
+    with make(last_batch="rollover") as second:
+        second.load_state_dict(state)
+        assert head + run(second, start_epoch=1) == reference
+
+
+def test_state_from_other_settings_is_refused():
+    with make() as loader:
+        state = loader.state_dict()
+    src = gs.FunctionSource(range(3), fn)
+    with gs.StreamLoader(src, batch_size=4, shuffle=True, seed=8) as other:
+        with pytest.raises(ValueError, match="seed"):
+            other.load_state_dict(state)
+        with pytest.raises(ValueError, match="missing"):
+            other.load_state_dict({"epoch": 0})
