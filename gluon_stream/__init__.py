@@ -6,6 +6,7 @@ the training loop consumes the current one; batches stay full across shard bound
 """
 
 from ._version import __version__
+from .dataiter import StreamIter
 from .errors import (BatchTimeout, CorruptShard, LoaderClosed, SchemaMismatch, ShardError,
                      ShardTimeout, StreamError, UnsafeShard, WorkerDied)
 from .loader import StreamLoader
@@ -29,6 +30,7 @@ __all__ = sorted([
     "Source",
     "Stats",
     "StreamError",
+    "StreamIter",
     "StreamLoader",
     "UnsafeShard",
     "WorkerDied",

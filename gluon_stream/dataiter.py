@@ -1,0 +1,246 @@
+"""StreamIter: the Module API's ``mx.io.DataIter`` over a :class:`~gluon_stream.StreamLoader`.
+
+``mx.mod.Module.fit``/``score``/``predict`` and ``mx.io.PrefetchingIter`` expect a
+``DataIter`` that announces its batch shapes up front (``provide_data``/``provide_label``),
+yields ``DataBatch`` objects of one fixed batch size, and restarts on ``reset()``.
+StreamIter adapts a loader to that contract:
+
+* the first batch is produced when the shapes are first asked for, and then handed out
+  first, so nothing is produced twice;
+* a short last batch (``last_batch='keep'``) is padded to ``batch_size`` by repeating its
+  own samples, and ``getpad()`` says how many are padding (as ``NDArrayIter`` does);
+* the batches are the loader's own NDArrays: each shard is a new NDArray and batches are
+  slices of it, never overwritten later, so holding on to a batch (as ``PrefetchingIter``
+  does) is safe;
+* ``reset()`` ends the current pass (its producers are cancelled) and the next call starts
+  the loader's next epoch; a ``reset()`` before any batch was taken changes nothing.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from . import _compat
+from .loader import StreamLoader
+
+__all__ = ["StreamIter"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LAYOUTS = {1: "N", 2: "NC", 3: "NTC", 4: "NCHW", 5: "NCDHW"}
+
+
+class StreamIter(_compat.DataIterBase):
+    """An ``mx.io.DataIter`` over a StreamLoader, for ``mx.mod.Module`` and other legacy code.
+
+    The loader's batches hold its arrays in order (data first, then labels); the first
+    ``len(data_names)`` arrays become ``DataBatch.data``, the next ``len(label_names)``
+    ``DataBatch.label``. The iterator does not own the loader: close the loader yourself
+    (``with gs.StreamLoader(...) as loader:``). ``close()`` only ends the current pass.
+
+    Args:
+        loader: A :class:`~gluon_stream.StreamLoader`.
+        data_names: Names of the model inputs (``provide_data``), one per data array.
+        label_names: Names of the labels (``provide_label``), one per label array; several
+            labels (one input, three targets) map to several names. ``()`` for none.
+        layouts: Optional ``{name: layout}``, e.g. ``{"data": "NTC"}``. Default by rank:
+            ``N``, ``NC``, ``NTC``, ``NCHW``, ``NCDHW``; the batch axis is always the first.
+
+    Example:
+        >>> import numpy as np, gluon_stream as gs
+        >>> src = gs.FunctionSource(range(2), lambda k: (np.ones((9, 3), "float32"),
+        ...                                              np.zeros(9, "float32")))
+        >>> with gs.StreamLoader(src, batch_size=4) as loader:
+        ...     it = gs.StreamIter(loader)
+        ...     print(it.provide_data[0].shape, it.provide_label[0].name)
+        ...     print([b.pad for b in it])
+        (4, 3) softmax_label
+        [0, 0, 0, 0, 2]
+    """
+
+    def __init__(self, loader: Any, data_names: Sequence[str] = ("data",),
+                 label_names: Sequence[str] = ("softmax_label",), *,
+                 layouts: Mapping[str, str] | None = None) -> None:
+        mx = _compat.require_mxnet()
+        if not isinstance(loader, StreamLoader):
+            raise TypeError(f"loader must be a gluon_stream.StreamLoader, got "
+                            f"{type(loader).__name__}")
+        super().__init__(batch_size=loader.batch_size)
+        data_names = _names("data_names", data_names)
+        label_names = _names("label_names", label_names)
+        if not data_names:
+            raise ValueError("data_names must name at least one input, got ()")
+        clash = set(data_names) & set(label_names)
+        if clash or len(set(data_names) | set(label_names)) != len(data_names) + len(label_names):
+            raise ValueError(f"data_names {data_names} and label_names {label_names} must be "
+                             "distinct names")
+        layouts = dict(layouts or {})
+        unknown = set(layouts) - set(data_names) - set(label_names)
+        if unknown:
+            raise ValueError(f"layouts names {sorted(unknown)} that are neither in data_names "
+                             f"{data_names} nor label_names {label_names}")
+        for name, layout in layouts.items():
+            if not isinstance(layout, str) or not layout.startswith("N"):
+                raise ValueError(f"layout of {name!r} must be a string starting with the batch "
+                                 f"axis 'N' (e.g. 'NTC'), got {layout!r}")
+        self._mx = mx
+        self.loader = loader
+        self.data_names = data_names
+        self.label_names = label_names
+        self.layouts = layouts
+        self._batches: Iterator[Any] | None = None  # the current pass over the loader
+        self._taken = 0  # batches handed out in the current pass
+        self._peeked: list | None = None  # arrays of a batch produced but not handed out yet
+        self._exhausted = False
+        self._current: Any = None  # (data, label, pad) of the current batch
+        self._provide: tuple[list, list] | None = None
+
+    # -- shapes ------------------------------------------------------------------------------
+    @property
+    def provide_data(self) -> list:
+        """``[DataDesc(name, (batch_size, ...), dtype, layout), ...]`` of the inputs."""
+        return list(self._descs()[0])
+
+    @property
+    def provide_label(self) -> list:
+        """``[DataDesc(name, (batch_size, ...), dtype, layout), ...]`` of the labels."""
+        return list(self._descs()[1])
+
+    def _descs(self) -> tuple[list, list]:
+        if self._provide is None:
+            arrays = self._peek()
+            if arrays is None:
+                raise ValueError("StreamIter: the loader yields no batches, so provide_data "
+                                 "is unknown; check its keys and last_batch")
+            descs = []
+            for name, arr in zip(self.data_names + self.label_names, arrays):
+                shape = (self.batch_size,) + tuple(arr.shape[1:])
+                layout = self.layouts.get(name, DEFAULT_LAYOUTS.get(len(shape), "N"))
+                if len(layout) != len(shape):
+                    raise ValueError(f"layout {layout!r} of {name!r} does not match its "
+                                     f"shape {shape}")
+                descs.append(self._mx.io.DataDesc(name, shape, np.dtype(arr.dtype).type, layout))
+            n = len(self.data_names)
+            self._provide = (descs[:n], descs[n:])
+        return self._provide
+
+    # -- the DataIter protocol ---------------------------------------------------------------
+    def reset(self) -> None:
+        """Restart: the next batch comes from the loader's next pass (its next epoch).
+
+        A reset before any batch of the current pass was handed out keeps that pass, so
+        ``reset()`` at the start of ``fit``/``score`` costs nothing.
+        """
+        if self._taken == 0 and not self._exhausted:
+            return
+        self._end_pass()
+
+    def iter_next(self) -> bool:
+        """Move to the next batch; False at the end of the pass."""
+        arrays = self._peek()
+        self._peeked = None
+        if arrays is None:
+            self._current = None
+            return False
+        self._taken += 1
+        self._current = self._split(arrays)
+        return True
+
+    def next(self) -> Any:
+        """The next ``mx.io.DataBatch`` (with ``provide_data``/``provide_label`` set)."""
+        if not self.iter_next():
+            raise StopIteration
+        data, label, pad = self._current
+        return self._mx.io.DataBatch(data=data, label=label, pad=pad, index=None,
+                                     provide_data=self.provide_data,
+                                     provide_label=self.provide_label)
+
+    def getdata(self) -> list:
+        """The current batch's input NDArrays."""
+        return self._current_part(0)
+
+    def getlabel(self) -> list:
+        """The current batch's label NDArrays."""
+        return self._current_part(1)
+
+    def getpad(self) -> int:
+        """Samples at the end of the current batch that are padding (only a short last batch)."""
+        return self._current_part(2)
+
+    def getindex(self) -> None:
+        """Sample indices are not tracked (shards are shuffled in the background): None."""
+        return None
+
+    def close(self) -> None:
+        """End the current pass (cancels its producers). The loader stays open; idempotent."""
+        self._end_pass()
+
+    def __enter__(self) -> "StreamIter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _current_part(self, i: int) -> Any:
+        if self._current is None:
+            raise RuntimeError("no current batch: call iter_next() (or next()) first")
+        return self._current[i]
+
+    def _end_pass(self) -> None:
+        batches, self._batches = self._batches, None
+        self._peeked, self._current = None, None
+        self._taken, self._exhausted = 0, False
+        if batches is not None:
+            batches.close()  # runs the loader's cleanup: cancels the pass's producers
+
+    def _peek(self) -> list | None:
+        """The next batch's arrays without consuming it; None at the end of the pass."""
+        if self._peeked is None and not self._exhausted:
+            if self._batches is None:
+                self._batches = iter(self.loader)
+            batch = next(self._batches, None)
+            if batch is None:
+                self._exhausted = True
+                self._batches = None
+            else:
+                self._peeked = self._check(batch)
+        return self._peeked
+
+    def _check(self, batch: Any) -> list:
+        arrays = list(batch) if isinstance(batch, (list, tuple)) else [batch]
+        expected = len(self.data_names) + len(self.label_names)
+        if len(arrays) != expected:
+            raise ValueError(
+                f"StreamIter: the loader's batches hold {len(arrays)} arrays but data_names "
+                f"{self.data_names} and label_names {self.label_names} name {expected}; pass "
+                "one name per array (data first, then labels)")
+        if len(arrays[0]) > self.batch_size:
+            raise ValueError(f"StreamIter: batch of {len(arrays[0])} samples exceeds "
+                             f"batch_size={self.batch_size}")
+        return arrays
+
+    def _split(self, arrays: list) -> tuple[list, list, int]:
+        pad = self.batch_size - int(arrays[0].shape[0])
+        if pad:
+            arrays = [self._pad(a, pad) for a in arrays]
+        n = len(self.data_names)
+        return arrays[:n], arrays[n:], pad
+
+    def _pad(self, arr: Any, pad: int) -> Any:
+        """A new NDArray of ``batch_size`` samples: the batch, then its samples repeated."""
+        n = int(arr.shape[0])
+        idx = np.arange(n + pad) % n
+        return self._mx.nd.take(arr, self._mx.nd.array(idx, ctx=arr.context, dtype="int64"),
+                                axis=0)
+
+
+def _names(arg: str, names: Any) -> list[str]:
+    if isinstance(names, str):
+        names = [names]
+    names = list(names)
+    if not all(isinstance(n, str) and n for n in names):
+        raise TypeError(f"{arg} must be a sequence of non-empty strings, got {names!r}")
+    return names
