@@ -76,3 +76,19 @@ def test_state_from_other_settings_is_refused():
             other.load_state_dict(state)
         with pytest.raises(ValueError, match="missing"):
             other.load_state_dict({"epoch": 0})
+
+
+def test_resume_example_continues_where_the_checkpoint_stopped(tmp_path, capsys):
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "resume_training.py")
+    spec = importlib.util.spec_from_file_location("resume_training", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--workdir", str(tmp_path / "full")]) == 0
+    total = int(capsys.readouterr().out.split("trained ")[1].split()[0])
+    assert example.main(["--workdir", str(tmp_path / "ck"), "--stop-after", "7"]) == 0
+    assert example.main(["--workdir", str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    assert "resumed at epoch 0, batch 7" in out
+    assert f"trained {total - 7} batches" in out
