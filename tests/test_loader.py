@@ -313,3 +313,23 @@ def test_epoch_in_command_caches_per_key_and_epoch(tmp_path):
             seen.append(sorted(set(int(v) for b in loader for v in b.asnumpy())))
     assert seen == [[0], [1]]
     assert sorted(os.listdir(tmp_path / "c")) == ["a@e0.npy", "a@e1.npy", "b@e0.npy", "b@e1.npy"]
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 3])
+def test_no_more_than_prefetch_plus_one_shards_are_held(prefetch):
+    import weakref
+    alive = set()
+    peak = []
+
+    def fn(key):
+        arr = np.arange(40, dtype=np.int64) + 1000 * key
+        alive.add(key)
+        weakref.finalize(arr, alive.discard, key)
+        return arr
+
+    src = gs.FunctionSource(range(8), fn)
+    with gs.StreamLoader(src, batch_size=8, prefetch=prefetch, producers=4, **DATALOADER) as ld:
+        for _ in ld:
+            peak.append(len(alive))
+    assert max(peak) <= prefetch + 1
+    assert len(peak) == 40
