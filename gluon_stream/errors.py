@@ -42,6 +42,7 @@ class ShardError(StreamError, RuntimeError):
         argv: The generator's argument vector (``None`` for Python functions).
         returncode: The generator's exit status (negative: killed by that signal).
         stderr_tail: The last lines the generator wrote to stderr.
+        disk_full: The disk filled up (``ENOSPC``): retrying cannot help, so it is not retried.
     """
 
     def __init__(
@@ -52,12 +53,14 @@ class ShardError(StreamError, RuntimeError):
         argv: Sequence[str] | None = None,
         returncode: int | None = None,
         stderr_tail: str = "",
+        disk_full: bool = False,
     ) -> None:
         super().__init__(message)
         self.key = key
         self.argv = list(argv) if argv is not None else None
         self.returncode = returncode
         self.stderr_tail = stderr_tail
+        self.disk_full = disk_full
 
 
 class ShardTimeout(ShardError, TimeoutError):

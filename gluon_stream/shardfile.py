@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import struct
 import tempfile
@@ -106,7 +107,7 @@ def _read_npy_header(fp: Any, path: Any, available: int) -> ArrayInfo:
         )
     if any(int(d) < 0 for d in shape):
         raise _corrupt(path, f"negative dimension in shape {shape}")
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize if shape else dtype.itemsize
+    nbytes = math.prod(int(d) for d in shape) * dtype.itemsize  # Python ints: no overflow
     expected = prefix + header_len + nbytes
     if available < expected:
         raise _corrupt(path, f"truncated: header says {shape} {dtype} = {expected} bytes, "
@@ -186,7 +187,9 @@ def load_shard(path: str | os.PathLike, *, mmap: bool = False) -> tuple[np.ndarr
     """
     infos = inspect_shard(path)
     try:
-        if len(infos) == 1 and infos[0].name == "arr_0" and not zipfile.is_zipfile(path):
+        with open(path, "rb") as fp:
+            is_npz = fp.read(4) in ZIP_MAGICS
+        if not is_npz:
             arr = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
             return (arr,)
         with np.load(path, allow_pickle=False) as npz:
@@ -259,7 +262,8 @@ def write_shard(path: str | os.PathLike, value: ArrayLike) -> str:
         _remove_quietly(tmp)
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             raise ShardError(f"disk full while writing shard {path!r}: free space in "
-                             f"{directory or '.'!r} or point cache_dir elsewhere") from exc
+                             f"{directory or '.'!r} or point cache_dir elsewhere (not retried)",
+                             disk_full=True) from exc
         raise
     return path
 

@@ -10,13 +10,14 @@ that epoch's keys. Sources are thread-safe: a :class:`~gluon_stream.ShardStream`
 """
 from __future__ import annotations
 
+import errno
 import glob
 import logging
 import os
 import re
+import selectors
 import signal
 import subprocess
-import tempfile
 import threading
 import time
 import uuid
@@ -38,6 +39,8 @@ Keys = Union[Sequence[Any], Iterable[Any], Callable[[int], Iterable[Any]]]
 _KEY_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:=+@,-]*")
 MAX_KEY_LENGTH = 200
 STDERR_TAIL_BYTES = 4096
+WAIT_SLICE_S = 0.5  # how often a blocked wait re-checks close()
+_DISK_FULL_HINTS = ("No space left on device", "ENOSPC", "[Errno 28]", "Disk quota exceeded")
 
 
 def validate_key(key: Any) -> str:
@@ -118,15 +121,25 @@ class Source:
 
 
 class _ShardCache:
-    """A directory of finished shard files, filled atomically under per-key file locks."""
+    """A directory of finished shard files, filled atomically under per-key file locks.
+
+    Layout: ``<key>.npy``/``<key>.npz`` finished shards, ``.<key>.<pid>.<rand>.tmp.npy`` a
+    generation in progress, ``.<key>.lock`` the per-key cross-process lock (removed by its
+    holder once the shard is in place).
+    """
 
     SUFFIXES = (".npy", ".npz")
 
-    def __init__(self, cache_dir: str | os.PathLike, lock_timeout: float) -> None:
+    def __init__(self, cache_dir: str | os.PathLike, lock_timeout: float,
+                 closed: threading.Event | None = None) -> None:
+        if lock_timeout <= 0:
+            raise ValueError(f"lock_timeout must be positive seconds, got {lock_timeout!r}")
         self.root = os.path.realpath(os.fspath(cache_dir))
         os.makedirs(self.root, exist_ok=True)
         self.lock_timeout = lock_timeout
+        self.closed = closed if closed is not None else threading.Event()
         self._remove_stale_temps()
+        self._remove_stale_locks()
 
     def _remove_stale_temps(self) -> None:
         """Delete temp files left by crashed runs (their writer's pid is gone)."""
@@ -135,10 +148,21 @@ class _ShardCache:
             if match and _pid_alive(int(match.group(1))):
                 continue
             logger.info("removing temp file %s left by a crashed run", path)
+            _unlink_missing_ok(path)
+
+    def _remove_stale_locks(self) -> None:
+        """Delete lock files nobody holds (their holder was killed); held ones are left alone."""
+        for path in glob.glob(os.path.join(glob.escape(self.root), ".*.lock")):
+            lock = FileLock(path, timeout=0)
             try:
-                os.unlink(path)
-            except FileNotFoundError:
-                logger.debug("temp file %s vanished before removal", path)
+                lock.acquire()
+            except LockTimeout:
+                continue  # a live process holds it
+            try:
+                logger.info("removing lock file %s left by a crashed run", path)
+                _unlink_missing_ok(path)
+            finally:
+                lock.release()
 
     def path_for(self, name: str, suffix: str) -> str:
         path = os.path.join(self.root, name + suffix)
@@ -164,6 +188,24 @@ class _ShardCache:
     def lock(self, name: str) -> FileLock:
         return FileLock(os.path.join(self.root, f".{name}.lock"), timeout=self.lock_timeout)
 
+    def _acquire(self, lock: FileLock, name: str) -> None:
+        """Wait for the key's lock in slices, re-checking ``closed`` so close() never waits long."""
+        deadline = time.monotonic() + self.lock_timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                lock.acquire(timeout=max(0.0, min(WAIT_SLICE_S, remaining)))
+                return
+            except LockTimeout as exc:
+                if self.closed.is_set():
+                    raise LoaderClosed(f"closed while waiting for the lock of shard {name!r}") \
+                        from None
+                if remaining <= WAIT_SLICE_S:
+                    raise ShardError(
+                        f"shard {name!r}: waited {self.lock_timeout:g} s for another process "
+                        f"generating it (lock {lock.lock_file}); raise lock_timeout, or remove the "
+                        "lock file if no gluon_stream process is running", key=name) from exc
+
     def get_or_create(self, name: str, create: Callable[[], str]) -> tuple[str, bool]:
         """Return (path, cache_hit); ``create()`` writes a validated temp file and returns its path.
 
@@ -174,17 +216,17 @@ class _ShardCache:
         if path is not None:
             return path, True
         lock = self.lock(name)
-        try:
-            lock.acquire()
-        except LockTimeout as exc:
-            raise ShardError(f"shard {name!r}: waited {self.lock_timeout:.0f} s for another process "
-                             f"generating it (lock {lock.lock_file}); raise lock_timeout or remove a "
-                             "stale lock", key=name) from exc
+        self._acquire(lock, name)
         try:
             path = self.lookup(name)
             if path is not None:
                 return path, True
             tmp = create()
+            if os.path.islink(tmp):
+                _unlink_missing_ok(tmp)
+                raise UnsafeShard(f"shard {name!r}: the generator left a symlink at {tmp!r}; "
+                                  "gluon_stream does not follow links in its cache. Write the "
+                                  "shard itself to the '{path}' argument", path=tmp)
             final = self.path_for(name, os.path.splitext(tmp)[1])
             os.replace(tmp, final)
             return final, False
@@ -219,8 +261,21 @@ class _CachingSource(Source):
     def __init__(self, keys: Keys, cache_dir: str | os.PathLike | None, lock_timeout: float,
                  mmap: bool) -> None:
         super().__init__(keys)
-        self._cache = _ShardCache(cache_dir, lock_timeout) if cache_dir is not None else None
+        self._cache = (_ShardCache(cache_dir, lock_timeout, self._closed)
+                       if cache_dir is not None else None)
         self._mmap = mmap
+
+    def keys_for_epoch(self, epoch: int) -> tuple[Iterable[Any], bool]:
+        """As :meth:`Source.keys_for_epoch`; finite keys of a cache are all validated up front.
+
+        Keys become file names (and command arguments), so a hostile key fails the epoch
+        before any shard is produced; keys drawn from an iterator are checked one by one.
+        """
+        keys, finite = super().keys_for_epoch(epoch)
+        if finite and self._cache is not None:
+            for key in keys:
+                validate_key(key)
+        return keys, finite
 
     def _shard_name(self, key: Any, epoch: int) -> str:
         return validate_key(key)
@@ -331,12 +386,15 @@ class CommandSource(_CachingSource):
             tmp = self._cache.temp_path(name, self.suffix)
             try:
                 self._run_once(key, epoch, tmp)
-                inspect_shard(tmp)
+                if not os.path.islink(tmp):
+                    inspect_shard(tmp)
                 return tmp
             except (ShardError, CorruptShard, UnsafeShard) as exc:
                 _unlink_missing_ok(tmp)
                 self._check_open()
-                if attempt + 1 == attempts or isinstance(exc, UnsafeShard):
+                final = (attempt + 1 == attempts or isinstance(exc, UnsafeShard)
+                         or getattr(exc, "disk_full", False))
+                if final:
                     raise
                 delay = self.backoff * (2 ** attempt)
                 logger.warning("shard %r: attempt %d/%d failed (%s); retrying in %.1f s",
@@ -349,49 +407,92 @@ class CommandSource(_CachingSource):
         raise AssertionError("unreachable")
 
     def _run_once(self, key: Any, epoch: int, tmp: str) -> None:
+        """Run the generator once: argv only, stdin closed, own session, stderr tail kept."""
         argv = self.argv_for(key, epoch, tmp)
-        with tempfile.TemporaryFile() as errfile:
-            try:
-                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=errfile, start_new_session=True, close_fds=True,
-                                        env=self.env)
-            except OSError as exc:
-                raise ShardError(f"shard {key!r}: cannot start {argv[0]!r}: {exc}", key=key,
-                                 argv=argv) from exc
+        read_fd, write_fd = os.pipe()
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=write_fd, start_new_session=True, close_fds=True,
+                                    env=self.env)
+        except OSError as exc:
+            os.close(read_fd)
+            raise ShardError(f"shard {key!r}: cannot start {argv[0]!r}: {exc}; check the first "
+                             "element of command (an executable path)", key=key,
+                             argv=argv) from exc
+        finally:
+            os.close(write_fd)
+        with self._procs_lock:
+            self._procs.add(proc)
+        tail = _TailBuffer(STDERR_TAIL_BYTES)
+        try:
+            timed_out = self._wait(proc, read_fd, tail)
+        finally:
+            _kill_group(proc)
             with self._procs_lock:
-                self._procs.add(proc)
-            timed_out = False
-            try:
-                self._check_open_or_kill(proc)
-                proc.wait(timeout=self.timeout)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            finally:
-                _kill_group(proc)
-                with self._procs_lock:
-                    self._procs.discard(proc)
-            tail = _tail(errfile)
+                self._procs.discard(proc)
+            _drain(read_fd, tail)
+            os.close(read_fd)
         self._check_open()
+        text = tail.text()
         if timed_out:
             raise ShardTimeout(
                 f"shard {key!r}: generator ran longer than timeout={self.timeout} s and was killed "
-                f"with its process group; command: {argv}; stderr tail:\n{tail}",
-                key=key, argv=argv, returncode=proc.returncode, stderr_tail=tail)
+                f"with its process group; raise timeout= or make the program faster; command: "
+                f"{argv}; stderr tail:\n{text}",
+                key=key, argv=argv, returncode=proc.returncode, stderr_tail=text)
         if proc.returncode != 0:
+            if any(hint in text for hint in _DISK_FULL_HINTS):
+                raise ShardError(
+                    f"shard {key!r}: disk full: the generator failed with 'No space left on "
+                    f"device' writing {tmp!r}; free space in {self._cache.root!r} or point "
+                    f"cache_dir elsewhere (not retried); command: {argv}; stderr tail:\n{text}",
+                    key=key, argv=argv, returncode=proc.returncode, stderr_tail=text,
+                    disk_full=True)
             how = (f"killed by signal {-proc.returncode}" if proc.returncode < 0
                    else f"exit code {proc.returncode}")
             raise ShardError(f"shard {key!r}: generator failed ({how}); command: {argv}; "
-                             f"stderr tail:\n{tail}", key=key, argv=argv,
-                             returncode=proc.returncode, stderr_tail=tail)
-        if not os.path.exists(tmp):
+                             f"stderr tail:\n{text}", key=key, argv=argv,
+                             returncode=proc.returncode, stderr_tail=text)
+        if not os.path.lexists(tmp):
             raise ShardError(f"shard {key!r}: generator exited 0 but wrote no file at {tmp!r} "
                              f"(it must write to the '{{path}}' argument); command: {argv}; "
-                             f"stderr tail:\n{tail}", key=key, argv=argv, returncode=0,
-                             stderr_tail=tail)
+                             f"stderr tail:\n{text}", key=key, argv=argv, returncode=0,
+                             stderr_tail=text)
 
-    def _check_open_or_kill(self, proc: subprocess.Popen) -> None:
-        if self._closed.is_set():
-            _kill_group(proc)
+    def _wait(self, proc: subprocess.Popen, fd: int, tail: "_TailBuffer") -> bool:
+        """Sleep until the generator exits, collecting stderr; True if it ran past ``timeout``.
+
+        Blocks in ``select`` (no busy-waiting), waking at least every WAIT_SLICE_S to honour
+        ``close()``. Returns as soon as the generator itself exits, even if a grandchild still
+        holds its stderr open (the caller then kills the whole group).
+        """
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            open_pipe = True
+            while True:
+                if self._closed.is_set():
+                    return False
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return True
+                slice_s = WAIT_SLICE_S if remaining is None else min(WAIT_SLICE_S, remaining)
+                if open_pipe:
+                    if sel.select(slice_s):
+                        data = os.read(fd, 65536)
+                        if data:
+                            tail.feed(data)
+                        else:
+                            sel.unregister(fd)
+                            open_pipe = False
+                    if proc.poll() is not None:
+                        return False
+                else:
+                    try:
+                        proc.wait(timeout=slice_s)
+                        return False
+                    except subprocess.TimeoutExpired:
+                        continue
 
     def close(self) -> None:
         """Kill every running generator (whole process groups); idempotent."""
@@ -413,10 +514,33 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _tail(fp: Any, limit: int = STDERR_TAIL_BYTES) -> str:
-    size = fp.seek(0, os.SEEK_END)
-    fp.seek(max(0, size - limit))
-    return fp.read().decode("utf-8", errors="replace").strip()
+class _TailBuffer:
+    """The last ``limit`` bytes written to a pipe: bounded however much the generator writes."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+        if len(self._buf) > 2 * self.limit:
+            del self._buf[:-self.limit]
+
+    def text(self) -> str:
+        return bytes(self._buf[-self.limit:]).decode("utf-8", errors="replace").strip()
+
+
+def _drain(fd: int, tail: _TailBuffer, limit: int = 1 << 20) -> None:
+    """Read what is left in a pipe whose writers are dead, without blocking."""
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        read = 0
+        while read < limit and sel.select(0):
+            data = os.read(fd, 65536)
+            if not data:
+                return
+            tail.feed(data)
+            read += len(data)
 
 
 class FunctionSource(_CachingSource):
