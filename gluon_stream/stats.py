@@ -279,6 +279,7 @@ class Stats:
                 if not bars:
                     continue
                 ax.broken_barh(bars, (rows[lane] - 0.35, 0.7), facecolors=COLORS[name],
+                               edgecolors="white", linewidth=0.5,
                                label=None if name in labelled else name)
                 labelled.add(name)
         ax.set_yticks(list(rows.values()))
@@ -374,9 +375,11 @@ class ProgressBar:
                               dynamic_ncols=True, disable=disable, file=file)
         self._last = -float("inf")
         self._postfix: dict = {}
+        self._record: EpochRecord | None = None
 
     def update(self, record: EpochRecord, ahead: int) -> None:
         """Advance by one batch; refresh samples/s, waiting share and shards ahead."""
+        self._record = record
         now = time.monotonic()
         if now - self._last >= self.REFRESH_S:
             self._last = now
@@ -395,7 +398,13 @@ class ProgressBar:
         return dict(self._postfix)
 
     def close(self, record: EpochRecord | None = None) -> None:
-        """Show the final figures (when given the epoch's record) and close the bar."""
+        """Show the epoch's final figures and close the bar.
+
+        Args:
+            record: The finished epoch's record; default: the one last passed to
+                :meth:`update` (the loader completes it before closing the bar).
+        """
+        record = record if record is not None else self._record
         if record is not None:
             self._set_postfix(record, 0)
         self._bar.close()

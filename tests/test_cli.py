@@ -1,0 +1,171 @@
+"""The gluon-stream CLI: subcommands succeed, and fail with exit status 2 and one clear line."""
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from gluon_stream import generator
+from gluon_stream.cli import expand_keys, main
+
+GEN = shlex.join(generator.generator_command(rows=50, num_inputs=3))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm_matplotlib(tmp_path_factory):
+    """matplotlib opens its font files lazily and keeps them open: not a leak of ours."""
+    from gluon_stream.stats import Stats
+
+    stats = Stats()
+    stats.add_span("train", "busy", stats.origin, stats.origin + 1)
+    stats.plot(tmp_path_factory.mktemp("warm") / "warm.png")
+
+
+def one_error_line(err: str, *needles: str) -> None:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "error:" in lines[0] and all(n in lines[0] for n in needles), lines[0]
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["inspect", "--help"],
+                                  ["generate", "--help"]])
+def test_help_on_every_subcommand(argv, capsys):
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: gluon-stream")
+    if argv == ["--help"]:
+        assert all(cmd in out for cmd in ("demo", "inspect", "generate"))
+
+
+def test_python_m_gluon_stream_help():
+    out = subprocess.run([sys.executable, "-m", "gluon_stream", "--help"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "inspect" in out.stdout, out.stderr
+
+
+def test_unknown_subcommand_and_missing_arguments_exit_2(capsys):
+    assert main(["nope"]) == 2
+    one_error_line(capsys.readouterr().err, "invalid choice", "nope")
+    assert main([]) == 2
+    one_error_line(capsys.readouterr().err, "COMMAND")
+
+
+# -- inspect --------------------------------------------------------------------------------
+@pytest.fixture
+def shard_dir(tmp_path):
+    np.save(tmp_path / "2024-01-01.npy", np.zeros((5, 3), np.float32))
+    np.savez(tmp_path / "2024-01-02.npz", x=np.zeros((4, 2, 2), np.float64),
+             y=np.arange(4, dtype=np.int64))
+    (tmp_path / "broken.npy").write_bytes(np.lib.format.magic(1, 0) + b"\x10\x00{'descr'")
+    (tmp_path / "notes.txt").write_text("not a shard")
+    return tmp_path
+
+
+def test_inspect_lists_arrays_and_flags_unreadable_files(shard_dir, capsys):
+    assert main(["inspect", str(shard_dir)]) == 1  # one unreadable file
+    out = capsys.readouterr().out.splitlines()
+    rows = {tuple(line.split()[:2]): line.split() for line in out[1:-1]}
+    assert rows[("2024-01-01", "arr_0")][2:6] == ["(5,", "3)", "float32", "60"]
+    assert rows[("2024-01-02", "x")][2:7] == ["(4,", "2,", "2)", "float64", "128"]
+    assert rows[("2024-01-02", "y")][2:4] == ["(4,)", "int64"]
+    assert rows[("broken", "UNREADABLE:")]
+    assert "truncated" in " ".join(rows[("broken", "UNREADABLE:")])
+    assert out[-1] == "3 files, 2 readable, 1 unreadable"
+    assert not any("notes" in line for line in out)
+
+
+def test_inspect_glob_of_good_files_succeeds(shard_dir, capsys):
+    assert main(["inspect", str(shard_dir / "2024-*")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "2 files, 2 readable, 0 unreadable"
+
+
+def test_inspect_bad_paths_exit_2(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "missing.npy")]) == 2
+    one_error_line(capsys.readouterr().err, "no such file", "missing.npy")
+    assert main(["inspect", str(tmp_path / "*.npy")]) == 2
+    one_error_line(capsys.readouterr().err, "no shard files match")
+    assert main(["inspect"]) == 2
+    one_error_line(capsys.readouterr().err, "PATH_OR_GLOB")
+
+
+# -- generate -------------------------------------------------------------------------------
+def test_generate_fills_the_cache_in_parallel_then_skips_cached_keys(tmp_path, capsys):
+    cache = tmp_path / "cache"
+    argv = ["generate", "--command", GEN, "--keys", "2024-02-28..2024-03-01", "x1",
+            "--cache-dir", str(cache), "--jobs", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "4/4 shards" in out and "(4 generated, 0 already cached, 0 failed)" in out
+    assert sorted(os.listdir(cache)) == ["2024-02-28.npy", "2024-02-29.npy", "2024-03-01.npy",
+                                         "x1.npy"]
+    np.testing.assert_array_equal(np.load(cache / "x1.npy"), generator.generate("x1", 50, 3))
+    assert main(argv) == 0
+    assert "(0 generated, 4 already cached, 0 failed)" in capsys.readouterr().out
+
+
+def test_generate_reports_failed_keys_with_exit_1(tmp_path, capsys):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("a\n\nb\n")
+    fail = shlex.join([sys.executable, "-c", "import sys; sys.exit('boom')", "{path}"])
+    assert main(["generate", "--command", fail, "--keys-file", str(keys), "--cache-dir",
+                 str(tmp_path / "c"), "--retries", "0", "--no-progress"]) == 1
+    captured = capsys.readouterr()
+    assert "(0 generated, 0 already cached, 2 failed)" in captured.out
+    failed = [line for line in captured.err.splitlines() if line.startswith("failed: ")]
+    assert sorted(line.split()[1] for line in failed) == ["a:", "b:"]
+    assert all("exit code 1" in line for line in failed)
+
+
+@pytest.mark.parametrize("extra, needles", [
+    (["--keys", "a"], ["--cache-dir"]),
+    (["--cache-dir", "c"], ["--keys"]),
+    (["--keys", "a", "--cache-dir", "c", "--jobs", "0"], ["--jobs", "positive integer"]),
+    (["--keys", "2024-01-05..2024-01-01", "--cache-dir", "c"], ["empty"]),
+    (["--keys", "2024-01-01..soon", "--cache-dir", "c"], ["ISO dates"]),
+    (["--keys", "../etc", "--cache-dir", "c"], ["not allowed"]),
+])
+def test_generate_bad_arguments_exit_2_in_one_line(extra, needles, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", "--command", GEN] + extra) == 2
+    one_error_line(capsys.readouterr().err, *needles)
+    assert not os.path.exists(tmp_path / "c") or not os.listdir(tmp_path / "c")
+
+
+def test_generate_command_without_path_placeholder_exit_2(tmp_path, capsys):
+    assert main(["generate", "--command", "gen --date {key}", "--keys", "a",
+                 "--cache-dir", str(tmp_path)]) == 2
+    one_error_line(capsys.readouterr().err, "{path}")
+
+
+def test_expand_keys_ranges():
+    assert expand_keys(["3..5", "2023-12-31..2024-01-01"]) == ["3", "4", "5", "2023-12-31",
+                                                               "2024-01-01"]
+
+
+# -- demo -----------------------------------------------------------------------------------
+def test_demo_trains_prints_a_table_and_writes_the_timeline(tmp_path, capsys):
+    png, trace = tmp_path / "timeline.png", tmp_path / "trace.json"
+    assert main(["demo", "--shards", "3", "--rows", "120", "--inputs", "3", "--time-steps", "4",
+                 "--delay", "0", "--batch-size", "32", "--plot", str(png),
+                 "--trace", str(trace)]) == 0
+    captured = capsys.readouterr()
+    out = captured.out.splitlines()
+    assert [line.split(":")[0] for line in out if line.startswith("epoch ") and ":" in line] == [
+        "epoch 0", "epoch 1"]
+    header = next(i for i, line in enumerate(out) if line.split()[:2] == ["epoch", "batches"])
+    assert [line.split()[0] for line in out[header + 1:header + 3]] == ["0", "1"]
+    assert out[-1] == f"timeline: {png}"
+    assert f"chrome trace: {trace}" in out
+    assert png.read_bytes()[:4] == b"\x89PNG" and trace.stat().st_size > 0
+    assert "epoch 0" in captured.err and "waiting=" in captured.err  # the progress bars
+
+
+def test_demo_bad_arguments_exit_2(capsys):
+    assert main(["demo", "--shards", "0"]) == 2
+    one_error_line(capsys.readouterr().err, "--shards", "positive integer")
+    assert main(["demo", "--delay", "-1"]) == 2
+    one_error_line(capsys.readouterr().err, "--delay")
