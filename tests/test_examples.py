@@ -1,0 +1,81 @@
+"""The examples and the quickstart notebook run end to end on tiny settings.
+
+Each runs in a child process (its own MXNet, kernel and threads), bounded by a timeout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT_S = 240
+
+
+def run(argv, cwd) -> str:
+    out = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert out.returncode == 0, f"{argv} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out.stdout
+
+
+def example(name: str) -> str:
+    return os.path.join(ROOT, "examples", name)
+
+
+def test_timeseries_lstm_trains_two_epochs_on_generated_dates(tmp_path):
+    out = run([sys.executable, example("timeseries_lstm.py"), "--tiny"], tmp_path).splitlines()
+    epochs = [line for line in out if line.startswith("epoch ") and "windows" in line]
+    assert [line.split(":")[0] for line in epochs] == ["epoch 0", "epoch 1"]
+    # 3 dates x (150 rows - 8 steps) windows, batches of 32 with rollover: 13 full batches
+    assert all("416 windows" in line for line in epochs)
+    assert "shards: 6 produced (3 cache hits)" in out[-1]  # epoch 1 reuses the cache
+    assert os.listdir(tmp_path) == []  # its temporary cache is gone
+
+
+def test_gluoncv_classification_trains_a_model_zoo_net(tmp_path):
+    out = run([sys.executable, example("gluoncv_classification.py"), "--tiny"], tmp_path)
+    line = next(x for x in out.splitlines() if x.startswith("epoch 0:"))
+    assert "48 images" in line and "train accuracy" in line
+
+
+def test_module_fit_trains_scores_and_predicts(tmp_path):
+    out = run([sys.executable, example("module_fit.py"), "--tiny", "--prefetching"], tmp_path)
+    lines = out.splitlines()
+    assert any(x.startswith("validation accuracy: ") for x in lines)
+    assert "predictions: (150, 3)" in lines
+
+
+def test_quickstart_notebook_executes_without_errors(tmp_path):
+    """nbclient runs every cell in a real Jupyter kernel; any error fails the test."""
+    executed = tmp_path / "executed.ipynb"
+    script = textwrap.dedent("""
+        import sys
+        import nbformat
+        from nbclient import NotebookClient
+        nb = nbformat.read(sys.argv[1], as_version=4)
+        NotebookClient(nb, timeout=180, kernel_name="python3",
+                       resources={"metadata": {"path": sys.argv[2]}}).execute()
+        nbformat.write(nb, sys.argv[3])
+    """)
+    run([sys.executable, "-c", script, os.path.join(ROOT, "notebooks", "quickstart.ipynb"),
+         str(tmp_path), str(executed)], tmp_path)
+    nb = json.loads(executed.read_text())
+    outputs = [o for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o["output_type"] == "error"]
+    text = "".join("".join(o.get("text", "")) for o in outputs)
+    assert "epoch 0:" in text and "epoch 1:" in text  # trained
+    assert "batches in a fresh epoch 2: 18" in text  # interrupted, then a clean epoch
+    assert "stall %" in text  # the stats table
+    assert "waiting=" in text  # the progress bars
+    assert any("image/png" in o.get("data", {}) for o in outputs)  # the timeline plot
+
+
+@pytest.mark.parametrize("name", ["timeseries_lstm.py", "gluoncv_classification.py",
+                                  "module_fit.py"])
+def test_examples_have_help_and_a_docstring(name):
+    out = run([sys.executable, example(name), "--help"], ROOT)
+    assert "--tiny" in out
