@@ -521,7 +521,10 @@ class StreamLoader:
         elif self.last_batch == "rollover":
             self._rollover = carry
 
-    def _run_dataloader(self, dataset: _ShardDataset, batches: list) -> Iterator[Any]:
+    def _run_dataloader(self, dataset: _ShardDataset, batches: list, key: Any = None
+                        ) -> Iterator[Any]:
+        from .errors import WorkerDied
+
         batchify = self.batchify_fn or _compat.default_batchify_fn()
         use_threads = self.thread_pool is None or self.thread_pool
         if self.num_workers == 0 or use_threads:
@@ -534,21 +537,39 @@ class StreamLoader:
             self._swap.current = dataset
             self._batch_list.batches = batches
             try:
-                yield from self._shared_dataloader
+                yield from _thread_batches(self._shared_dataloader, self.timeout, key, len(batches))
             finally:
                 self._swap.current = None
             return
-        sampler = _BatchList()
-        sampler.batches = batches
-        dataloader = _compat.make_dataloader(
-            dataset, sampler, batchify_fn=batchify, num_workers=self.num_workers,
-            thread_pool=False, pin_memory=self.pin_memory, pin_device_id=self.pin_device_id,
-            timeout=self.timeout)
-        self._res.dataloaders.add(dataloader)
-        try:
-            yield from dataloader
-        finally:
-            self._res.release(dataloader)
+        # A process pool (thread_pool=False) is forked per shard and driven by _pool_batches,
+        # which notices a dead worker (MXNet would wait for its lost batch forever) and a slow
+        # batch. With on_error=('retry', n) the undelivered batches are redone in a fresh pool,
+        # so every sample is still delivered exactly once.
+        retries = self.stream._retries if self.stream.on_error == "retry" else 0
+        done = 0
+        for attempt in range(retries + 1):
+            sampler = _BatchList()
+            sampler.batches = batches[done:]
+            dataloader = _compat.make_dataloader(
+                dataset, sampler, batchify_fn=batchify, num_workers=self.num_workers,
+                thread_pool=False, pin_memory=self.pin_memory, pin_device_id=self.pin_device_id,
+                timeout=self.timeout)
+            self._res.dataloaders.add(dataloader)
+            try:
+                for batch in _pool_batches(dataloader, sampler.batches, self.timeout, key,
+                                           first=done, total=len(batches)):
+                    done += 1
+                    yield batch
+                    del batch  # a kept exception's frames must not pin shared-memory batches
+                return
+            except WorkerDied as exc:
+                if attempt == retries:
+                    raise
+                logger.warning("%s; redoing the %d undelivered batch(es) in a new worker pool "
+                               "(retry %d/%d)", str(exc), len(batches) - done, attempt + 1,
+                               retries)
+            finally:
+                self._res.release(dataloader)
 
 
 def _to_ndarrays(shard: Shard, ctx: Any) -> None:
@@ -587,3 +608,117 @@ def _batch_len(batch: Any) -> int:
 
 def _carry_len(carry: _Carry | None) -> int:
     return len(carry) if carry is not None else 0
+
+
+# -- worker pools: dead workers and slow batches (helpers of StreamLoader._run_dataloader) --------
+
+POOL_POLL_S = 0.1  # how often a wait for a process-pool batch checks for dead workers
+WORKER_DEATH_S = 5.0  # how long a failed fetch from a worker waits for its death to show
+
+
+def _describe_key(key: Any) -> str:
+    return f"shard {key!r}" if key is not None else "the current shard"
+
+
+def _pool_batches(dataloader: Any, batches: list, timeout: float, key: Any, *, first: int,
+                  total: int) -> Iterator[Any]:
+    """Yield a process-pool DataLoader's batches in order, as MXNet's iterator would, but
+    sleeping in short slices that check whether a worker died and whether ``timeout`` passed."""
+    import collections
+    import time
+
+    from .errors import BatchTimeout
+
+    known: dict = {}
+    _compat.dead_workers(dataloader, known)  # remember the workers forked for this shard
+    pending: collections.deque = collections.deque()
+    todo = iter(enumerate(batches, start=first))
+
+    def push() -> None:
+        item = next(todo, None)
+        if item is not None:
+            pending.append((item[0], _compat.submit_batch(dataloader, item[1])))
+
+    for _ in range(_compat.prefetch_depth(dataloader)):
+        push()
+    while pending:
+        index, result = pending.popleft()
+        push()
+        deadline = time.monotonic() + timeout
+        while not result.ready():
+            result.wait(POOL_POLL_S)
+            if result.ready():
+                break
+            dead = _compat.dead_workers(dataloader, known)
+            if dead:
+                raise _worker_died(dead, key, index, total)
+            if time.monotonic() >= deadline:
+                raise BatchTimeout(
+                    f"batch {index + 1} of {total} of {_describe_key(key)} took longer than "
+                    f"timeout={timeout} s in a DataLoader worker process: sample_transform or "
+                    "batchify_fn is too slow (or stuck); speed it up or raise timeout=")
+        try:
+            batch = _compat.receive_batch(dataloader, result)
+        except Exception as exc:
+            # the shared-memory fd of a finished batch is fetched from the worker that made it:
+            # if that worker was just killed, this fails before its death is visible here
+            patience = WORKER_DEATH_S if isinstance(exc, (OSError, EOFError)) else 0.0
+            dead = _compat.dead_workers(dataloader, known)
+            deadline = time.monotonic() + patience
+            while not dead and time.monotonic() < deadline:
+                time.sleep(POOL_POLL_S)
+                dead = _compat.dead_workers(dataloader, known)
+            if dead:
+                raise _worker_died(dead, key, index, total) from exc
+            exc.add_note(f"gluon_stream: raised in a DataLoader worker process while loading "
+                         f"batch {index + 1} of {total} of {_describe_key(key)}")
+            raise
+        del result
+        yield batch
+        del batch  # a kept exception's frames must not pin shared-memory batches
+
+
+def _worker_died(dead: list, key: Any, index: int, total: int) -> Exception:
+    import signal
+
+    from .errors import WorkerDied
+
+    pid, code = dead[0]
+    if code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"was killed by signal {-code}"
+    else:
+        how = f"exited with code {code}"
+    return WorkerDied(
+        f"DataLoader worker process {pid} {how} while {_describe_key(key)} was loading; batch "
+        f"{index + 1} of {total} and the others it held are lost. Likely out of memory (check "
+        "`dmesg` for the OOM killer) or a crash in sample_transform/batchify_fn: lower "
+        "num_workers, use thread_pool=True, or pass on_error=('retry', n) to redo the lost "
+        "batches in a new pool", pid=pid, signal=-code if code < 0 else None, key=key)
+
+
+def _thread_batches(dataloader: Any, timeout: float, key: Any, total: int) -> Iterator[Any]:
+    """A thread-pool or in-process DataLoader's batches, its timeout raised as BatchTimeout."""
+    import multiprocessing
+
+    from .errors import BatchTimeout
+
+    batches = iter(dataloader)
+    try:
+        index = 0
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except multiprocessing.TimeoutError as exc:
+                raise BatchTimeout(
+                    f"batch {index + 1} of {total} of {_describe_key(key)} took longer than "
+                    f"timeout={timeout} s in a DataLoader worker thread: sample_transform or "
+                    "batchify_fn is too slow (or stuck); speed it up or raise timeout=") from exc
+            index += 1
+            yield batch
+    finally:
+        batches.close()

@@ -1,0 +1,421 @@
+"""Hard to break: dead workers, slow batches, failing and drifting shards, interrupts, close()
+mid-generation and many pool rotations, each ending in a clear error or a chosen policy with
+nothing lost, duplicated or leaked (the autouse leak check in conftest runs after each test).
+
+Hang-prone tests carry a ``pytest.mark.timeout`` upper bound; nothing here sleeps to synchronise.
+"""
+from __future__ import annotations
+
+import collections
+import gc
+import logging
+import os
+import signal
+import threading
+import time
+import traceback
+
+import mxnet as mx
+import numpy as np
+import psutil
+import pytest
+
+import gluon_stream as gs
+from conftest import _snapshot, batch_ids, id_shards, leaks
+from fake_generator import command, read_lines
+
+BATCHIFY = mx.gluon.data.dataloader.default_batchify_fn
+PROCESS_POOL = {"num_workers": 2, "thread_pool": False, "batchify_fn": BATCHIFY}
+JOIN_S = 30
+
+
+def all_ids(sizes):
+    return sorted(1000 * k + i for k, n in enumerate(sizes) for i in range(n))
+
+
+def delivered(loader, limit=None):
+    """Ids of every sample the loader yields (stops after ``limit`` batches)."""
+    ids = []
+    for i, batch in enumerate(loader):
+        ids.extend(batch_ids(batch))
+        if limit is not None and i + 1 == limit:
+            break
+    return ids
+
+
+def wait_for(predicate, timeout=20.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def dead(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def pool_workers() -> list[psutil.Process]:
+    return psutil.Process().children()
+
+
+def slow_sample(*sample):
+    """A per-sample transform slow enough that the workers are busy when one is killed."""
+    time.sleep(0.002)
+    return sample
+
+
+# -- dead workers and slow batches (process pools) ----------------------------------------
+
+@pytest.mark.timeout(60)
+def test_a_sigkilled_worker_raises_worker_died_within_10_s_and_leaves_no_zombie():
+    src = gs.FunctionSource([0], id_shards([400]))
+    with gs.StreamLoader(src, batch_size=4, sample_transform=slow_sample, **PROCESS_POOL) as loader:
+        batches = iter(loader)
+        for _ in range(3):
+            next(batches)
+        workers = pool_workers()
+        assert len(workers) == 2
+        victim = workers[0].pid
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        with pytest.raises(gs.WorkerDied, match=r"worker process \d+ was killed by SIGKILL") as info:
+            for _ in batches:
+                pass
+        noticed = time.monotonic() - killed_at
+        del batches
+    assert noticed < 10.0
+    err = info.value
+    assert err.pid == victim and err.signal == signal.SIGKILL
+    assert "on_error=('retry', n)" in str(err)  # the fix is in the message
+    assert pool_workers() == [] and dead(victim)
+
+
+@pytest.mark.xfail(reason="needs StreamLoader._dataloader_batches to pass key=shard.key to "
+                          "_run_dataloader (lead's part of loader.py)", strict=False)
+@pytest.mark.timeout(60)
+def test_worker_died_names_the_shard():
+    src = gs.FunctionSource(["day-7"], lambda k: np.arange(400.0))
+    with gs.StreamLoader(src, batch_size=4, sample_transform=slow_sample, **PROCESS_POOL) as loader:
+        batches = iter(loader)
+        next(batches)
+        os.kill(pool_workers()[0].pid, signal.SIGKILL)
+        with pytest.raises(gs.WorkerDied) as info:
+            for _ in batches:
+                pass
+        del batches
+    assert info.value.key == "day-7" and "'day-7'" in str(info.value)
+
+
+@pytest.mark.timeout(90)
+def test_with_retry_a_dead_workers_batches_are_redone_exactly_once():
+    sizes = [150, 37, 150]
+    src = gs.FunctionSource(range(3), id_shards(sizes))
+    with gs.StreamLoader(src, batch_size=4, sample_transform=slow_sample, on_error=("retry", 2),
+                         **PROCESS_POOL) as loader:
+        ids = []
+        for i, batch in enumerate(loader):
+            ids.extend(batch_ids(batch))
+            if i in (5, 60):  # once in the first shard, once in the last
+                os.kill(pool_workers()[0].pid, signal.SIGKILL)
+    assert sorted(ids) == all_ids(sizes)
+    assert collections.Counter(ids).most_common(1)[0][1] == 1
+    assert pool_workers() == []
+
+
+def stuck_on_id(target, seconds):
+    def transform(ids, values):
+        if int(ids) == target:
+            time.sleep(seconds)
+        return ids, values
+    return transform
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pool", ["processes", "threads"])
+def test_a_slow_batch_raises_batch_timeout_naming_what_was_slow(pool):
+    src = gs.FunctionSource([0], id_shards([40]))
+    opts = PROCESS_POOL if pool == "processes" else dict(PROCESS_POOL, thread_pool=True)
+    with gs.StreamLoader(src, batch_size=4, sample_transform=stuck_on_id(21, 3.0), timeout=1,
+                         **opts) as loader:
+        start = time.monotonic()
+        with pytest.raises(gs.BatchTimeout, match=r"batch \d+ of 10 of .* took longer than "
+                                                  r"timeout=1 s .*sample_transform") as info:
+            delivered(loader)
+        assert time.monotonic() - start < 1 + 2.5
+    assert isinstance(info.value, TimeoutError)
+
+
+# -- shard failures, policies and where they surface --------------------------------------------
+
+def test_a_prefetch_failure_surfaces_after_the_whole_previous_shard(tmp_path):
+    failed = threading.Event()
+
+    def fn(key):
+        if key == 1:
+            failed.set()
+            raise RuntimeError("upstream data missing for shard 1")
+        return id_shards([10, 0, 10])(key)
+
+    with gs.StreamLoader(gs.FunctionSource(range(3), fn), batch_size=4, prefetch=2) as loader:
+        batches = iter(loader)
+        ids = batch_ids(next(batches))
+        assert failed.wait(JOIN_S)  # shard 1 has already failed in the background...
+        with pytest.raises(gs.ShardError, match=r"shard 1: .*upstream data missing") as info:
+            for batch in batches:
+                ids.extend(batch_ids(batch))
+        del batches
+    # ...but every sample of shard 0 came first, including its short tail (8 + 2 in a last batch?
+    # no: the tail waits for shard 1, so the error comes after the two full batches)
+    assert ids == list(range(8))
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_command_failures_with_skip_drop_exactly_those_shards(tmp_path, caplog):
+    keys = ["k0", "k1", "k2", "k3", "k4", "k5"]
+    modes = {"k1": "exit-nonzero", "k3": "truncated", "k4": "pickle"}
+    src = gs.CommandSource(keys, command("ok", workdir=tmp_path, modes=modes, rows=7),
+                           cache_dir=tmp_path / "cache", retries=0, timeout=20)
+    caplog.set_level(logging.WARNING, logger="gluon_stream")
+    with gs.StreamLoader(src, batch_size=4, on_error="skip") as loader:
+        data = [b.asnumpy() for b in loader]
+        record = loader.stats.epochs[-1]
+    rows = np.concatenate(data)
+    assert rows.shape == (3 * 7, 3)  # k0, k2, k5: every sample once
+    assert [len(d) for d in data] == [4, 4, 4, 4, 4, 1]
+    expected = np.concatenate([_values(k, 7) for k in ("k0", "k2", "k5")])
+    np.testing.assert_array_equal(rows, expected)
+    assert record.skipped_shards == 3 and loader.stats.skipped_shards == 3
+    skips = [r for r in caplog.records if "skipping shard" in r.getMessage()]
+    assert [r.levelno for r in skips] == [logging.WARNING] * 3
+    assert {m for m in ("k1", "k3", "k4") if any(repr(m) in r.getMessage() for r in skips)} \
+        == {"k1", "k3", "k4"}
+    assert sorted(os.listdir(tmp_path / "cache")) == ["k0.npy", "k2.npy", "k5.npy"]
+
+
+def _values(key, rows):
+    from fake_generator import shard_values
+
+    return shard_values(key, rows, 3)
+
+
+class BadRow(KeyError):
+    """A distinctive error type: it must reach the user unchanged."""
+
+
+def transform_failing_on(bad_key_value):
+    def transform(raw):
+        ids, values = raw
+        if int(ids[0]) == bad_key_value:
+            raise BadRow(f"row {int(ids[0])} has no label")
+        return ids, values
+    return transform
+
+
+def test_a_transform_that_raises_keeps_its_type_and_traceback_and_names_the_shard():
+    sizes = [6, 6, 6]
+    src = gs.FunctionSource(range(3), id_shards(sizes))
+    with gs.StreamLoader(src, batch_size=4, transform=transform_failing_on(1000)) as loader:
+        with pytest.raises(BadRow, match=r"row 1000 has no label") as info:
+            delivered(loader)
+    frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert "transform" in frames  # the user's own frame is in the traceback
+    assert any("shard 1" in note for note in getattr(info.value, "__notes__", []))
+
+
+def test_skip_drops_exactly_the_shard_whose_transform_raised():
+    sizes = [6, 6, 6]
+    src = gs.FunctionSource(range(3), id_shards(sizes))
+    with gs.StreamLoader(src, batch_size=4, transform=transform_failing_on(1000),
+                         on_error="skip") as loader:
+        ids = delivered(loader)
+        assert loader.stats.epochs[-1].skipped_shards == 1
+    assert sorted(ids) == all_ids([6, 0, 6])
+    assert len(ids) == len(set(ids)) == 12
+
+
+def test_schema_drift_raises_before_any_batch_of_that_shard(tmp_path):
+    modes = {"k2": "wrong-dtype"}
+    src = gs.CommandSource(["k0", "k1", "k2", "k3"], command("ok", workdir=tmp_path, modes=modes,
+                                                             rows=8),
+                           cache_dir=tmp_path / "cache", retries=0)
+    rows = []
+    with gs.StreamLoader(src, batch_size=4) as loader:
+        with pytest.raises(gs.SchemaMismatch, match=r"'k2'.*<f8.*<f4"):
+            for batch in loader:
+                rows.append(batch.asnumpy())
+    np.testing.assert_array_equal(np.concatenate(rows),
+                                  np.concatenate([_values("k0", 8), _values("k1", 8)]))
+
+
+def test_an_explicit_schema_is_checked_on_the_first_shard(tmp_path):
+    src = gs.FunctionSource(range(2), lambda k: np.zeros((8, 5), np.float32))
+    with gs.StreamLoader(src, batch_size=4, schema=[("float32", (4,))]) as loader:
+        with pytest.raises(gs.SchemaMismatch, match=r"shard 0 .*\(5,\)"):
+            delivered(loader)
+
+
+def test_hostile_keys_fail_the_loader_before_any_process_starts(tmp_path):
+    src = gs.CommandSource(["ok-key", "a;touch X"], command("ok", workdir=tmp_path),
+                           cache_dir=tmp_path / "cache")
+    with gs.StreamLoader(src, batch_size=4) as loader:
+        with pytest.raises(ValueError, match=r"'a;touch X' is not allowed"):
+            delivered(loader)
+    assert read_lines(tmp_path / "count") == []
+
+
+# -- close(), garbage collection, interrupts --------------------------------------------------
+
+def _hanging_loader(tmp_path, **kw):
+    src = gs.CommandSource(["k0", "k1"], command("grandchild-hang", workdir=tmp_path),
+                           cache_dir=tmp_path / "cache", timeout=30, retries=0)
+    return gs.StreamLoader(src, batch_size=4, **kw)
+
+
+@pytest.mark.timeout(60)
+def test_close_during_a_30_s_generator_run_returns_within_2_s(tmp_path):
+    loader = _hanging_loader(tmp_path)
+    errors = []
+
+    def consume():
+        try:
+            delivered(loader)
+        except gs.StreamError as exc:
+            errors.append(exc)
+
+    consumer = threading.Thread(target=consume, name="gluon_stream-test-consumer")
+    consumer.start()
+    try:
+        wait_for(lambda: "grandchild" in read_lines(tmp_path / "started"), 30, "the generator")
+        start = time.monotonic()
+        loader.close()
+        elapsed = time.monotonic() - start
+        consumer.join(JOIN_S)
+        loader.close()  # idempotent
+    finally:
+        loader.close()
+        consumer.join(JOIN_S)
+    assert elapsed < 2.0
+    assert len(errors) == 1 and isinstance(errors[0], gs.LoaderClosed)
+    for pid in map(int, read_lines(tmp_path / "pids")):
+        wait_for(lambda: dead(pid), 5, f"generator pid {pid} to die")
+    assert os.listdir(tmp_path / "cache") == []  # no partial output, no lock file
+    with pytest.raises(gs.LoaderClosed, match=r"closed"):
+        iter(loader)
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupted_then_dropped_loader_cleans_up_like_close(tmp_path):
+    """Jupyter: next(it) blocks on a 30 s generator, Ctrl-C, then `del loader, it`."""
+    loader = _hanging_loader(tmp_path, prefetch=1)
+    started = lambda: "grandchild" in read_lines(tmp_path / "started")  # noqa: E731
+
+    def interrupt_once_started():
+        wait_for(started, 30, "the generator")
+        _interrupt_me()
+
+    interrupter = threading.Thread(target=interrupt_once_started,
+                                   name="gluon_stream-test-interrupter")
+    it = iter(loader)
+    interrupter.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+    finally:
+        interrupter.join(JOIN_S)
+    assert started()
+    start = time.monotonic()
+    del loader, it
+    gc.collect()
+    for pid in map(int, read_lines(tmp_path / "pids")):
+        wait_for(lambda: dead(pid), 5, f"generator pid {pid} to die")
+    assert time.monotonic() - start < 2.0
+    wait_for(lambda: os.listdir(tmp_path / "cache") == [], 5, "the temp and lock files to go")
+
+
+def _flat_snapshot():
+    me = psutil.Process()
+    return {"fds": me.num_fds(), "children": len(me.children(recursive=True)),
+            "threads": sum(t.name.startswith("gluon_stream") for t in threading.enumerate()),
+            "shm": len(os.listdir("/dev/shm")), "rss_mb": me.memory_info().rss / 2 ** 20}
+
+
+def _interrupt_me():
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("path", ["vectorised", "process-pool"])
+def test_jupyter_style_interrupts_20_times_leak_nothing(path, record_property):
+    """SIGINT after k batches, catch KeyboardInterrupt, iterate again: 20 times, then a full
+    epoch; fds, threads, children and /dev/shm stay flat, and RSS does not grow."""
+    sizes = [40, 25, 40, 30]
+    calls = collections.Counter()
+
+    def fn(key):
+        calls[key] += 1
+        if path == "vectorised" and calls[key] % 2 == 0 and key == 2:
+            _interrupt_me()  # lands wherever the main thread is: inside the library's waits too
+        return id_shards(sizes)(key)
+
+    opts = PROCESS_POOL if path == "process-pool" else {}
+    src = gs.FunctionSource(range(4), fn)
+    figures = []
+    with gs.StreamLoader(src, batch_size=4, **opts) as loader:
+        for i in range(20):
+            try:
+                for k, batch in enumerate(loader):
+                    if k == 3 + (i * 3) % 20:  # sometimes in the first shard, sometimes later
+                        _interrupt_me()
+            except KeyboardInterrupt:
+                pass
+            else:
+                pytest.fail("the interrupt was not delivered")
+            if i in (0, 4, 19):
+                gc.collect()
+                figures.append((i + 1, _flat_snapshot()))
+            if i == 0:  # the loader's own producer thread exists from the first pass on
+                before = _snapshot()
+        ids = delivered(loader) if path == "process-pool" else None
+        found = leaks(before)
+    record_property("leak_figures", figures)
+    print(f"\n{path}: after N interrupts -> {figures}")
+    assert not found, found
+    if ids is not None:  # after all that, a full epoch is still exact
+        assert sorted(ids) == all_ids(sizes)
+    (_, at5), (_, at20) = figures[1], figures[2]
+    assert at20["fds"] <= at5["fds"] and at20["children"] == 0 and at20["threads"] <= 1
+    assert at20["rss_mb"] - at5["rss_mb"] < 25, figures
+
+
+# -- many rotations -------------------------------------------------------------------------
+
+@pytest.mark.timeout(240)
+def test_200_shard_rotations_with_two_worker_processes_keep_fds_and_children_flat():
+    """A process pool is forked per shard while the producer thread prepares the next shards."""
+    produced = []
+
+    def fn(key):
+        rng = np.random.default_rng(key)  # some numpy work in the producer during the forks
+        rng.standard_normal((200, 50)).sum()
+        produced.append(key)
+        return id_shards([6] * 200)(key)
+
+    src = gs.FunctionSource(range(200), fn)
+    counts = []
+    with gs.StreamLoader(src, batch_size=4, prefetch=2, **PROCESS_POOL) as loader:
+        ids = []
+        for i, batch in enumerate(loader):
+            ids.extend(batch_ids(batch))
+            if i % 60 == 0:  # 300 batches over 200 shards: samples at shards 0, 40, 80, ...
+                me = psutil.Process()
+                counts.append((len(produced), me.num_fds(), len(me.children())))
+    print(f"\n(shards produced, fds, children) during 200 rotations: {counts}")
+    assert sorted(ids) == all_ids([6] * 200)
+    fds = [c[1] for c in counts[1:]]
+    assert max(fds) - min(fds) <= 4, counts  # flat: no per-shard fd leak
+    assert max(c[2] for c in counts) <= 2, counts  # one pool of two workers at a time
+    assert pool_workers() == []
