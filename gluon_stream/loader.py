@@ -499,7 +499,8 @@ class StreamLoader:
                 carry.add([_row(shard.arrays, i) for i in range(rest, n)],
                           _segment(shard, rest, n), n - rest)
             batches = [list(range(i, i + bs)) for i in range(0, stop, bs)]
-            for end, batch in zip(range(bs, stop + 1, bs), self._run_dataloader(dataset, batches)):
+            batched = self._run_dataloader(dataset, batches, key=shard.key)
+            for end, batch in zip(range(bs, stop + 1, bs), batched):
                 _advance(position, shard, pos + end - held)
                 yield batch
             del dataset, shard
