@@ -32,6 +32,18 @@ def make_shard(key: int, rows: int):
     return x, scores.argmax(axis=1).astype(np.float32)
 
 
+def stop_prefetching(pf: mx.io.PrefetchingIter) -> None:
+    """End a PrefetchingIter's thread.
+
+    Only its ``__del__`` does, and ``del`` never triggers it (the thread holds a reference).
+    Calling it while the thread is fetching loses the wake-up (the thread clears the event
+    after its fetch) and hangs, so wait for the fetch in flight first.
+    """
+    for ready in pf.data_ready:
+        ready.wait()
+    pf.__del__()
+
+
 def mlp() -> mx.sym.Symbol:
     data = mx.sym.Variable("data")
     hidden = mx.sym.Activation(mx.sym.FullyConnected(data, num_hidden=32, name="fc1"), "relu")
@@ -74,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"predictions: {mod.predict(val_iter).shape}")
         finally:
             if args.prefetching:
-                it.__del__()  # MXNet's PrefetchingIter stops its thread only here
+                stop_prefetching(it)
             train_iter.close()
             val_iter.close()
         print(train.stats.summary())

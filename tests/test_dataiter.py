@@ -143,6 +143,27 @@ def test_batches_handed_out_are_never_overwritten():
         assert len(set(first_epoch)) == 32  # 8 full batches of distinct samples
 
 
+def stop_prefetching(pf) -> None:
+    """End a PrefetchingIter's thread. Only its ``__del__`` does (``del`` never frees it), and
+    calling that while the thread is fetching loses the wake-up (the thread clears the event
+    after its fetch): wait for the fetch in flight first."""
+    assert all(ready.wait(60) for ready in pf.data_ready), "PrefetchingIter's thread died"
+    pf.__del__()
+
+
+def _drain(pf) -> list:
+    """Iterate a PrefetchingIter, failing (not hanging) if its thread died: MXNet's thread
+    catches only StopIteration, and its consumer then waits forever."""
+    batches = []
+    while True:
+        assert all(ready.wait(60) for ready in pf.data_ready), \
+            "PrefetchingIter's thread died; its exception is reported above"
+        try:
+            batches.append(pf.next())
+        except StopIteration:
+            return batches
+
+
 def test_prefetching_iter_works_from_the_first_use_and_keeps_batches_intact():
     with _loader(sizes=[9, 6, 11, 8]) as loader:
         it = gs.StreamIter(loader, data_names=["ids"], label_names=["half"])
@@ -151,7 +172,7 @@ def test_prefetching_iter_works_from_the_first_use_and_keeps_batches_intact():
             assert pf.provide_data[0].shape == (4,)
             kept = []
             for epoch in range(2):
-                batches = list(pf)
+                batches = _drain(pf)
                 assert len(batches) == 9, f"epoch {epoch}"
                 kept += [(b, b.data[0].asnumpy().copy()) for b in batches]
                 pf.reset()
@@ -161,7 +182,7 @@ def test_prefetching_iter_works_from_the_first_use_and_keeps_batches_intact():
             assert ids == sorted(1000 * k + i for k, n in enumerate([9, 6, 11, 8])
                                  for i in range(n))
         finally:
-            pf.__del__()  # MXNet's only way to stop its thread (del never frees it)
+            stop_prefetching(pf)
             it.close()
 
 

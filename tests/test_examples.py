@@ -79,3 +79,26 @@ def test_quickstart_notebook_executes_without_errors(tmp_path):
 def test_examples_have_help_and_a_docstring(name):
     out = run([sys.executable, example(name), "--help"], ROOT)
     assert "--tiny" in out
+
+
+def readme_snippets() -> list[str]:
+    """The python blocks the README marks ``<!-- runnable -->``."""
+    lines = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().splitlines()
+    snippets = []
+    for i, line in enumerate(lines):
+        if line.strip() == "<!-- runnable -->":
+            assert lines[i + 1].strip() == "```python", f"README line {i + 2}"
+            end = lines.index("```", i + 2)
+            snippets.append("\n".join(lines[i + 2:end]))
+    return snippets
+
+
+def test_readme_snippets_run(tmp_path):
+    snippets = readme_snippets()
+    assert len(snippets) >= 2
+    script = "\n".join(f"exec(compile({s!r}, 'README snippet {i}', 'exec'), {{}})"
+                       for i, s in enumerate(snippets))
+    out = run([sys.executable, "-c", script], tmp_path)
+    assert "DataDesc[data,(100, 16)" in out and "stall %" in out
+    assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
