@@ -217,3 +217,12 @@ def test_module_fit_two_epochs_and_predict(caplog):
         (_, acc), = mod.score(it, "acc")
         assert acc > 0.6  # a linearly separable task: the model learned something
         it.close()
+
+
+def test_docstring_example_runs():
+    import doctest
+
+    from gluon_stream import dataiter
+
+    result = doctest.testmod(dataiter)
+    assert result.failed == 0 and result.attempted > 0

@@ -202,3 +202,13 @@ def test_one_info_line_per_shard_and_a_warning_per_retry(caplog):
     assert len(ready) == 3 and all(r.name.startswith("gluon_stream") for r in ready)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "retry 1/1" in warnings[0].getMessage()
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from gluon_stream import cli, stats
+
+    for module in (stats, cli):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0 and result.attempted > 0, module.__name__
