@@ -628,7 +628,7 @@ def _pool_batches(dataloader: Any, batches: list, timeout: float, key: Any, *, f
     import collections
     import time
 
-    from .errors import BatchTimeout
+    from .errors import BatchTimeout, LoaderClosed
 
     known: dict = {}
     _compat.dead_workers(dataloader, known)  # remember the workers forked for this shard
@@ -650,6 +650,9 @@ def _pool_batches(dataloader: Any, batches: list, timeout: float, key: Any, *, f
             result.wait(POOL_POLL_S)
             if result.ready():
                 break
+            if _compat.worker_pool(dataloader) is None:  # released: close() from another thread
+                raise LoaderClosed(f"the loader was closed while waiting for batch {index + 1} "
+                                   f"of {total} of {_describe_key(key)}")
             dead = _compat.dead_workers(dataloader, known)
             if dead:
                 raise _worker_died(dead, key, index, total)

@@ -94,8 +94,6 @@ def test_a_sigkilled_worker_raises_worker_died_within_10_s_and_leaves_no_zombie(
     assert pool_workers() == [] and dead(victim)
 
 
-@pytest.mark.xfail(reason="needs StreamLoader._dataloader_batches to pass key=shard.key to "
-                          "_run_dataloader (lead's part of loader.py)", strict=False)
 @pytest.mark.timeout(60)
 def test_worker_died_names_the_shard():
     src = gs.FunctionSource(["day-7"], lambda k: np.arange(400.0))
@@ -142,11 +140,40 @@ def test_a_slow_batch_raises_batch_timeout_naming_what_was_slow(pool):
     with gs.StreamLoader(src, batch_size=4, sample_transform=stuck_on_id(21, 3.0), timeout=1,
                          **opts) as loader:
         start = time.monotonic()
-        with pytest.raises(gs.BatchTimeout, match=r"batch \d+ of 10 of .* took longer than "
+        with pytest.raises(gs.BatchTimeout, match=r"batch \d+ of 10 of shard 0 took longer than "
                                                   r"timeout=1 s .*sample_transform") as info:
             delivered(loader)
         assert time.monotonic() - start < 1 + 2.5
     assert isinstance(info.value, TimeoutError)
+
+
+@pytest.mark.timeout(60)
+def test_close_from_another_thread_while_a_worker_is_busy_gives_loader_closed():
+    """The consumer (main thread: only it may fork a pool) waits on a stuck batch; another
+    thread closes the loader."""
+    src = gs.FunctionSource([0], id_shards([40]))
+    loader = gs.StreamLoader(src, batch_size=4, sample_transform=stuck_on_id(21, 5.0), timeout=60,
+                             **PROCESS_POOL)
+    got, closed_at = [], []
+
+    def close_once_waiting():
+        wait_for(lambda: len(got) >= 5, 30, "the batches before the stuck one")
+        closed_at.append(time.monotonic())
+        loader.close()
+
+    closer = threading.Thread(target=close_once_waiting, name="gluon_stream-test-closer")
+    closer.start()
+    try:
+        with pytest.raises(gs.LoaderClosed, match=r"closed while waiting for batch 6 of 10"):
+            for batch in loader:
+                got.append(batch_ids(batch))
+        elapsed = time.monotonic() - closed_at[0]
+    finally:
+        closer.join(JOIN_S)
+        loader.close()
+    assert got == [list(range(i, i + 4)) for i in range(0, 20, 4)]  # batch 6 holds the stuck id
+    assert elapsed < 3.0
+    assert pool_workers() == []
 
 
 # -- shard failures, policies and where they surface --------------------------------------------

@@ -84,7 +84,7 @@ def test_hang_raises_shard_timeout_and_kills_the_whole_process_group(tmp_path, m
         with pytest.raises(gs.ShardTimeout, match=r"'k1'.*timeout=1.0 s.*process group"):
             src.produce("k1", 0)
         elapsed = time.monotonic() - start
-    assert elapsed < timeout + 1.0 + 1.0  # + python start-up of the generator on a busy machine
+    assert elapsed < timeout + 1.0  # start-up is inside the timeout; killing takes milliseconds
     pids = [int(p) for p in read_lines(tmp_path / "pids")]
     assert len(pids) == (2 if mode == "grandchild-hang" else 1)
     for pid in pids:
