@@ -278,9 +278,11 @@ class Stats:
                         if s.lane == lane and s.name == name and s.end > s.start]
                 if not bars:
                     continue
+                # white edges show shard boundaries on producer lanes; the train lane has
+                # one span per batch, where edges would hide the bars
+                edges = {} if lane == TRAIN_LANE else {"edgecolors": "white", "linewidth": 0.5}
                 ax.broken_barh(bars, (rows[lane] - 0.35, 0.7), facecolors=COLORS[name],
-                               edgecolors="white", linewidth=0.5,
-                               label=None if name in labelled else name)
+                               label=None if name in labelled else name, **edges)
                 labelled.add(name)
         ax.set_yticks(list(rows.values()))
         ax.set_yticklabels([_short_lane(lane) for lane in rows])
