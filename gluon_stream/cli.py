@@ -171,7 +171,7 @@ def _register_generate(subparsers: Any) -> None:
                         help="generators run at once (default: CPU count)")
     parser.add_argument("--epoch", type=int, default=0, help="value of {epoch} (default 0)")
     parser.add_argument("--timeout", type=non_negative_float, default=600.0,
-                        help="seconds per run before its process group is killed")
+                        help="seconds per run before its process group is killed (0: none)")
     parser.add_argument("--retries", type=int, default=2, help="extra attempts per key")
     parser.add_argument("--suffix", choices=SHARD_SUFFIXES, default=".npy",
                         help="what the generator writes")
