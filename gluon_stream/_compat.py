@@ -11,6 +11,7 @@ import logging
 import multiprocessing.pool as _mp_pool
 import os
 import pickle
+import threading
 import time
 from typing import Any, Sequence
 
@@ -77,6 +78,12 @@ def make_dataloader(dataset: Any, batch_sampler: Any, *, batchify_fn: Any, num_w
     With MXNet's default ``auto_reload=False`` nothing is submitted to the workers until the
     DataLoader is iterated, so a caller may drive the pool itself (:func:`submit_batch`).
     """
+    if num_workers > 0 and not thread_pool \
+            and threading.current_thread() is not threading.main_thread():
+        raise RuntimeError(
+            "num_workers > 0 with thread_pool=False forks a worker process pool, which MXNet can "
+            "only do from the main thread (it installs a signal handler); iterate the loader in "
+            "the main thread, or use thread_pool=True")
     return gluon.data.DataLoader(dataset, batch_sampler=batch_sampler, batchify_fn=batchify_fn,
                                  num_workers=num_workers, thread_pool=thread_pool,
                                  pin_memory=pin_memory, pin_device_id=pin_device_id,

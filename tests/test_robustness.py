@@ -11,6 +11,8 @@ import gc
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -174,6 +176,79 @@ def test_close_from_another_thread_while_a_worker_is_busy_gives_loader_closed():
     assert got == [list(range(i, i + 4)) for i in range(0, 20, 4)]  # batch 6 holds the stuck id
     assert elapsed < 3.0
     assert pool_workers() == []
+
+
+_TERMINATE_HANG = r"""
+import os, signal, mxnet as mx
+from gluon_stream import _compat
+dl = _compat.make_dataloader(mx.gluon.data.ArrayDataset(list(range(8))), [[0, 1]],
+                             batchify_fn=mx.gluon.data.dataloader.default_batchify_fn,
+                             num_workers=2, thread_pool=False, pin_memory=False, pin_device_id=0,
+                             timeout=10)
+pool = _compat.worker_pool(dl)
+for proc in list(pool._pool):  # both idle: one of them holds the task queue's read lock
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join()
+print("killed", flush=True)
+{ending}
+print("released", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_ending_a_pool_whose_worker_died_holding_a_queue_lock_does_not_hang():
+    """CPython gh-96995: Pool.terminate() blocks forever on the dead worker's lock (control);
+    release_dataloader ends the same pool at once."""
+    def run(ending, timeout):
+        proc = subprocess.Popen([sys.executable, "-c", _TERMINATE_HANG.format(ending=ending)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+            return out.split()
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate(timeout=JOIN_S)
+            return out.split() + ["hung"]
+
+    assert run("pool.terminate()", 6) == ["killed", "hung"]  # the bug is real here
+    assert run("_compat.release_dataloader(dl)", 60) == ["killed", "released"]
+
+
+def test_shared_memory_files_of_a_dead_worker_are_removed(tmp_path):
+    from gluon_stream import _compat
+
+    dead_pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                                  capture_output=True, text=True, check=True).stdout)
+    leftover = f"/dev/shm/mx_{dead_pid:x}_1234abcd"
+    other = f"/dev/shm/mx_{dead_pid + 1:x}_1234abcd"
+    for path in (leftover, other):
+        open(path, "wb").close()
+    try:
+        assert _compat.remove_worker_shm(dead_pid) == [leftover]
+        assert not os.path.exists(leftover) and os.path.exists(other)
+    finally:
+        for path in (leftover, other):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_a_process_pool_outside_the_main_thread_is_a_clear_error():
+    src = gs.FunctionSource([0], id_shards([8]))
+    errors = []
+
+    def consume():
+        try:
+            with gs.StreamLoader(src, batch_size=4, **PROCESS_POOL) as loader:
+                delivered(loader)
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=consume, name="gluon_stream-test-consumer")
+    worker.start()
+    worker.join(JOIN_S)
+    assert len(errors) == 1 and "main thread" in str(errors[0])
+    assert "thread_pool=True" in str(errors[0])
 
 
 # -- shard failures, policies and where they surface --------------------------------------------
