@@ -38,12 +38,14 @@ class Span:
             (the loop body ran) or ``"wait"`` (the loop waited for its next batch) on ``"train"``.
         start: Seconds since the :class:`Stats` was created.
         end: Seconds since the :class:`Stats` was created.
+        key: The shard a producer span worked on (None on the ``"train"`` lane).
     """
 
     lane: str
     name: str
     start: float
     end: float
+    key: Any = None
 
 
 @dataclass
@@ -131,9 +133,9 @@ class Stats:
         self._lock = threading.Lock()
 
     # -- recording (called by the stream and the loader) -----------------------------------
-    def add_span(self, lane: str, name: str, start: float, end: float) -> None:
+    def add_span(self, lane: str, name: str, start: float, end: float, key: Any = None) -> None:
         """Record an interval; ``start``/``end`` are readings of :attr:`clock`."""
-        span = Span(lane, name, start - self.origin, end - self.origin)
+        span = Span(lane, name, start - self.origin, end - self.origin, key)
         with self._lock:
             self.spans.append(span)
 
@@ -325,9 +327,12 @@ class Stats:
             events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid,
                            "args": {"sort_index": tid}})
         for s in self.span_list():
-            events.append({"name": s.name, "cat": "gluon_stream", "ph": "X", "pid": pid,
-                           "tid": tids[s.lane], "ts": round(s.start * 1e6, 3),
-                           "dur": round(max(0.0, s.end - s.start) * 1e6, 3)})
+            event = {"name": s.name, "cat": "gluon_stream", "ph": "X", "pid": pid,
+                     "tid": tids[s.lane], "ts": round(s.start * 1e6, 3),
+                     "dur": round(max(0.0, s.end - s.start) * 1e6, 3)}
+            if s.key is not None:
+                event["args"] = {"key": str(s.key)}
+            events.append(event)
         path = os.fspath(path)
         with open(path, "w", encoding="utf-8") as fp:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, fp)

@@ -291,9 +291,9 @@ class ShardStream:
         t2 = clock()
         gen_end = t0 + raw.generate_s
         load_end = gen_end + raw.load_s
-        self.stats.add_span(lane, "generate", t0, gen_end)
-        self.stats.add_span(lane, "load", gen_end, load_end)
-        self.stats.add_span(lane, "transform", max(load_end, t1), t2)
+        self.stats.add_span(lane, "generate", t0, gen_end, key)
+        self.stats.add_span(lane, "load", gen_end, load_end, key)
+        self.stats.add_span(lane, "transform", max(load_end, t1), t2, key)
         shard.record = ShardRecord(key, epoch, len(shard), raw.cache_hit, raw.generate_s,
                                    raw.load_s, t2 - t1, lane)
         return shard

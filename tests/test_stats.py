@@ -212,3 +212,19 @@ def test_docstring_examples_run():
     for module in (stats, cli):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0 and result.attempted > 0, module.__name__
+
+
+def test_producer_spans_carry_their_shard_key_into_the_trace(tmp_path):
+    import numpy as np
+
+    import gluon_stream as gs
+
+    src = gs.FunctionSource(["a", "b"], lambda k: np.zeros((3, 2), np.float32))
+    with gs.StreamLoader(src, batch_size=2) as loader:
+        list(loader)
+        path = loader.stats.to_chrome_trace(tmp_path / "t.json")
+    events = json.loads(open(path).read())["traceEvents"]
+    keyed = {(e["name"], e["args"]["key"]) for e in events if e["ph"] == "X" and "args" in e}
+    assert {(phase, key) for phase in ("generate", "load", "transform")
+            for key in "ab"} == keyed
+    assert all("args" not in e for e in events if e.get("name") in ("busy", "wait"))
