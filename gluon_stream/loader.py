@@ -416,7 +416,7 @@ class StreamLoader:
             record.skipped_shards = run.skipped
             record.wall_s = clock() - start
             if bar is not None:
-                bar.close()
+                bar.close(record)
 
     def _even_limit(self, epoch: int) -> int | None:
         """With even_batches, the batch count every part can deliver this epoch."""
