@@ -442,6 +442,7 @@ def _flat_snapshot():
     me = psutil.Process()
     return {"fds": me.num_fds(), "children": len(me.children(recursive=True)),
             "threads": sum(t.name.startswith("gluon_stream") for t in threading.enumerate()),
+            "all_threads": threading.active_count(),
             "shm": len(os.listdir("/dev/shm")), "rss_mb": me.memory_info().rss / 2 ** 20}
 
 
@@ -467,7 +468,8 @@ def test_jupyter_style_interrupts_20_times_leak_nothing(path, record_property):
 
     opts = PROCESS_POOL if path == "process-pool" else {}
     src = gs.FunctionSource(range(4), fn)
-    figures = []
+    gc.collect()
+    figures = [("before", _flat_snapshot())]
     with gs.StreamLoader(src, batch_size=4, **opts) as loader:
         for i in range(20):
             try:
@@ -483,14 +485,18 @@ def test_jupyter_style_interrupts_20_times_leak_nothing(path, record_property):
                 figures.append((i + 1, _flat_snapshot()))
             if i == 0:  # the loader's own producer thread exists from the first pass on
                 before = _snapshot()
+        batch = None  # the last batch holds shared-memory fds
         ids = delivered(loader) if path == "process-pool" else None
         found = leaks(before)
+    gc.collect()
+    figures.append(("closed", _flat_snapshot()))
     record_property("leak_figures", figures)
-    print(f"\n{path}: after N interrupts -> {figures}")
+    print(f"\n{path}: interrupts -> {figures}")
     assert not found, found
     if ids is not None:  # after all that, a full epoch is still exact
         assert sorted(ids) == all_ids(sizes)
-    (_, at5), (_, at20) = figures[1], figures[2]
+    (_, first), (_, at5), (_, at20), (_, closed) = figures[0], figures[2], figures[3], figures[4]
+    assert closed["fds"] == first["fds"] and closed["children"] == 0 and closed["threads"] == 0
     assert at20["fds"] <= at5["fds"] and at20["children"] == 0 and at20["threads"] <= 1
     assert at20["rss_mb"] - at5["rss_mb"] < 25, figures
 
@@ -531,17 +537,20 @@ def test_200_shard_rotations_with_two_worker_processes_keep_fds_and_children_fla
         return id_shards([6] * 200)(key)
 
     src = gs.FunctionSource(range(200), fn)
-    counts = []
+    me = psutil.Process()
+    counts = [("before", me.num_fds(), len(me.children()))]
     with gs.StreamLoader(src, batch_size=4, prefetch=2, **PROCESS_POOL) as loader:
         ids = []
         for i, batch in enumerate(loader):
             ids.extend(batch_ids(batch))
             if i % 60 == 0:  # 300 batches over 200 shards: samples at shards 0, 40, 80, ...
-                me = psutil.Process()
                 counts.append((len(produced), me.num_fds(), len(me.children())))
+        del batch  # the last batch holds shared-memory fds
+    counts.append(("closed", me.num_fds(), len(me.children())))
     print(f"\n(shards produced, fds, children) during 200 rotations: {counts}")
     assert sorted(ids) == all_ids([6] * 200)
-    fds = [c[1] for c in counts[1:]]
+    fds = [c[1] for c in counts[2:-1]]
     assert max(fds) - min(fds) <= 4, counts  # flat: no per-shard fd leak
     assert max(c[2] for c in counts) <= 2, counts  # one pool of two workers at a time
+    assert counts[-1][1:] == counts[0][1:], counts  # closed: back to where it started
     assert pool_workers() == []
