@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 Keys = Union[Sequence[Any], Iterable[Any], Callable[[int], Iterable[Any]]]
 
+_TOKEN = re.compile(r"\{(?:key|path|epoch)\}")
 _KEY_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:=+@,-]*")
 MAX_KEY_LENGTH = 200
 STDERR_TAIL_BYTES = 4096
@@ -367,12 +368,8 @@ class CommandSource(_CachingSource):
     def argv_for(self, key: Any, epoch: int, path: str) -> list[str]:
         """The argument vector for one run (tokens replaced literally, no other formatting)."""
         values = {"{key}": validate_key(key), "{path}": path, "{epoch}": str(epoch)}
-        out = []
-        for arg in self.command:
-            for token, value in values.items():
-                arg = arg.replace(token, value)
-            out.append(arg)
-        return out
+        # one pass, so a token inside a substituted value (a cache_dir named '{epoch}') stays
+        return [_TOKEN.sub(lambda m: values[m.group(0)], arg) for arg in self.command]
 
     def produce(self, key: Any, epoch: int) -> RawShard:
         self._check_open()
@@ -395,6 +392,9 @@ class CommandSource(_CachingSource):
                 final = (attempt + 1 == attempts or isinstance(exc, UnsafeShard)
                          or getattr(exc, "disk_full", False))
                 if final:
+                    if attempt and isinstance(exc, ShardError) and exc.args:
+                        exc.args = (f"{exc.args[0]}\n(gave up after {attempt + 1} attempts; "
+                                    "retries= sets how many)",)
                     raise
                 delay = self.backoff * (2 ** attempt)
                 logger.warning("shard %r: attempt %d/%d failed (%s); retrying in %.1f s",

@@ -72,6 +72,7 @@ def test_nonzero_exit_raises_shard_error_after_the_retries_with_the_stderr_tail(
     err = info.value
     assert err.key == "k1" and err.returncode == 3 and err.argv[0] == sys.executable
     assert err.stderr_tail.endswith("cannot produce k1: upstream data missing")
+    assert "gave up after 3 attempts" in str(err)
     assert hidden_files(tmp_path / "cache") == [] and os.listdir(tmp_path / "cache") == []
 
 
@@ -360,6 +361,15 @@ def test_hostile_keys_are_refused_before_any_process_starts(tmp_path, key, monke
     assert runs(tmp_path) == []  # no generator ever ran, not even for the good key
     assert set(os.listdir(tmp_path)) == before | {"cache"}
     assert os.listdir(tmp_path / "cache") == []
+
+
+def test_arguments_are_substituted_literally_in_one_pass(tmp_path):
+    cache = tmp_path / "{epoch}-{key}"
+    src = gs.CommandSource(["k1"], ["gen", "--out={path}", "{key}", "$HOME;{epoch}"],
+                           cache_dir=cache)
+    with src:
+        argv = src.argv_for("k1", 3, str(cache / "x.npy"))
+    assert argv == ["gen", f"--out={cache}/x.npy", "k1", "$HOME;3"]
 
 
 def test_ordinary_keys_pass():
