@@ -21,6 +21,7 @@ import os
 import struct
 import tempfile
 import zipfile
+import zlib
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, Union
 
@@ -37,6 +38,7 @@ ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")
 PICKLE_PROTO = b"\x80"
 MAX_HEADER_BYTES = 1 << 20  # numpy itself refuses headers above 10 kB by default since 1.24
 TEMP_MARKER = ".tmp"
+MAX_PLAIN_RATIO = 64  # compression ratios above this are verified by decompressing once
 
 ArrayLike = Union[np.ndarray, Sequence[np.ndarray], Mapping[str, np.ndarray]]
 
@@ -145,14 +147,44 @@ def _inspect_npz(path: Any) -> list[ArrayInfo]:
             for member in zf.infolist():
                 if not member.filename.endswith(".npy"):
                     raise _corrupt(path, f"member {member.filename!r} is not a .npy array")
+                _check_member_size(zf, member, path)
                 with zf.open(member) as fp:
                     info = _read_npy_header(_Seekless(fp), path, member.file_size)
                 infos.append(ArrayInfo(member.filename[:-4], info.shape, info.dtype, info.nbytes))
-    except zipfile.BadZipFile as exc:
-        raise _corrupt(path, f"bad .npz archive ({exc})") from exc
+    except (zipfile.BadZipFile, EOFError, zlib.error, NotImplementedError) as exc:
+        raise _corrupt(path, f"bad .npz archive ({type(exc).__name__}: {exc})") from exc
     if not infos:
         raise _corrupt(path, "empty .npz archive (no arrays)")
     return infos
+
+
+def _check_member_size(zf: zipfile.ZipFile, member: zipfile.ZipInfo, path: Any) -> None:
+    """Make sure a member really holds the bytes its zip entry claims, before numpy allocates them.
+
+    A stored member must occupy exactly its size. A compressed member whose claimed size is far
+    beyond what its compressed bytes could plausibly hold (a forged entry) is decompressed once,
+    in chunks, and counted; ordinary ratios are left to zipfile's own size and CRC checks.
+    """
+    if member.header_offset + member.compress_size > os.path.getsize(path):
+        raise _corrupt(path, f"member {member.filename!r} claims {member.compress_size} stored "
+                             "bytes, more than the archive holds (forged or truncated)")
+    if member.compress_type == zipfile.ZIP_STORED:
+        if member.compress_size != member.file_size:
+            raise _corrupt(path, f"member {member.filename!r} claims {member.file_size} bytes but "
+                                 f"stores {member.compress_size}")
+        return
+    if member.file_size <= MAX_PLAIN_RATIO * member.compress_size + (1 << 20):
+        return
+    actual = 0
+    with zf.open(member) as fp:
+        while actual <= member.file_size:
+            chunk = fp.read(1 << 20)
+            if not chunk:
+                break
+            actual += len(chunk)
+    if actual != member.file_size:
+        raise _corrupt(path, f"member {member.filename!r} claims {member.file_size} bytes but "
+                             f"decompresses to {actual} (forged size)")
 
 
 class _Seekless:

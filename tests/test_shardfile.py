@@ -112,6 +112,43 @@ def test_a_forged_header_is_refused_before_anything_is_allocated(tmp_path, count
     assert psutil.Process().memory_info().rss - rss < 32 << 20
 
 
+def _forged_npz(path, compression):
+    """An .npz whose member header and zip entry both claim 3.2 GB but which holds 16 bytes."""
+    header = header_bytes((20_000, 20_000))
+    claimed = len(header) + 20_000 * 20_000 * 8
+    with zipfile.ZipFile(path, "w", compression=compression) as zf:
+        zf.writestr("x.npy", header + b"\x00" * 16)
+    data = bytearray(path.read_bytes())
+    real = len(header) + 16
+    for sig, offset in ((b"PK\x03\x04", 22), (b"PK\x01\x02", 24)):  # local and central entries
+        at = data.index(sig)
+        assert struct.unpack_from("<I", data, at + offset)[0] == real
+        struct.pack_into("<I", data, at + offset, claimed)
+        if compression == zipfile.ZIP_STORED:  # stored: both sizes claim the same
+            struct.pack_into("<I", data, at + offset - 4, claimed)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("compression", [zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED])
+def test_a_forged_npz_entry_is_refused_before_anything_is_allocated(tmp_path, count_np_load,
+                                                                   compression):
+    path = tmp_path / "forged.npz"
+    _forged_npz(path, compression)
+    rss = psutil.Process().memory_info().rss
+    with pytest.raises(gs.CorruptShard, match=r"claims|bad .npz"):
+        gs.load_shard(path)
+    assert count_np_load == []
+    assert psutil.Process().memory_info().rss - rss < 32 << 20
+
+
+def test_compressed_npz_with_a_high_but_honest_ratio_loads(tmp_path):
+    arrays = {"zeros": np.zeros((2000, 100)), "ids": np.arange(2000)}
+    np.savez_compressed(tmp_path / "z.npz", **arrays)
+    zeros, ids = gs.load_shard(tmp_path / "z.npz")
+    np.testing.assert_array_equal(zeros, arrays["zeros"])
+    np.testing.assert_array_equal(ids, arrays["ids"])
+
+
 def test_a_header_length_field_beyond_reason_is_refused(tmp_path):
     path = tmp_path / "long.npy"
     path.write_bytes(b"\x93NUMPY\x02\x00" + struct.pack("<I", 2 ** 31) + b" " * 64)
