@@ -19,6 +19,7 @@ next epoch, Gluon's meaning).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -386,6 +387,9 @@ class StreamLoader:
                                      "carry": carry.segments if carry else [],
                                      "batches": delivered}
         batches = self._slice_batches if self.vectorised else self._dataloader_batches
+        run.start()  # producers start on the first shards before anything below can wait
+        if not self.vectorised and self._shares_dataloader:
+            self._ensure_shared_dataloader()  # its gc.collect() overlaps the first generation
         try:
             for batch in batches(run, carry, offset, record, position):
                 if limit is not None and delivered >= limit:
@@ -499,15 +503,17 @@ class StreamLoader:
                 carry.add([_row(shard.arrays, i) for i in range(rest, n)],
                           _segment(shard, rest, n), n - rest)
             batches = [list(range(i, i + bs)) for i in range(0, stop, bs)]
-            batched = self._run_dataloader(dataset, batches, key=shard.key)
-            for end, batch in zip(range(bs, stop + 1, bs), batched):
-                _advance(position, shard, pos + end - held)
-                yield batch
+            with contextlib.closing(self._run_dataloader(dataset, batches, key=shard.key)) as out:
+                for end, batch in zip(range(bs, stop + 1, bs), out):
+                    _advance(position, shard, pos + end - held)
+                    yield batch
             del dataset, shard
 
         def last(c: _Carry) -> Any:
             dataset = _ShardDataset(c.samples(), (), self.sample_transform)
-            return next(iter(self._run_dataloader(dataset, [list(range(len(dataset)))])))
+            with contextlib.closing(self._run_dataloader(dataset, [list(range(len(dataset)))])
+                                    ) as out:
+                return next(out)
 
         yield from self._finish_epoch(carry, last, run, position)
 
@@ -522,25 +528,37 @@ class StreamLoader:
         elif self.last_batch == "rollover":
             self._rollover = carry
 
+    @property
+    def _shares_dataloader(self) -> bool:
+        """Threads or no workers: one DataLoader serves every shard (no fork per shard)."""
+        return self.num_workers == 0 or self.thread_pool is None or bool(self.thread_pool)
+
+    def _batchify(self) -> Callable[[list], Any]:
+        return self.batchify_fn or _compat.default_batchify_fn()
+
+    def _ensure_shared_dataloader(self) -> None:
+        """Build the long-lived DataLoader once; its constructor runs gc.collect() (~50 ms)."""
+        if self._shared_dataloader is None:
+            self._shared_dataloader = _compat.make_dataloader(
+                self._swap, self._batch_list, batchify_fn=self._batchify(),
+                num_workers=self.num_workers, thread_pool=True, pin_memory=self.pin_memory,
+                pin_device_id=self.pin_device_id, timeout=self.timeout)
+            self._res.dataloaders.add(self._shared_dataloader)
+
     def _run_dataloader(self, dataset: _ShardDataset, batches: list, key: Any = None
                         ) -> Iterator[Any]:
         from .errors import WorkerDied
 
-        batchify = self.batchify_fn or _compat.default_batchify_fn()
-        use_threads = self.thread_pool is None or self.thread_pool
-        if self.num_workers == 0 or use_threads:
-            if self._shared_dataloader is None:
-                self._shared_dataloader = _compat.make_dataloader(
-                    self._swap, self._batch_list, batchify_fn=batchify,
-                    num_workers=self.num_workers, thread_pool=True, pin_memory=self.pin_memory,
-                    pin_device_id=self.pin_device_id, timeout=self.timeout)
-                self._res.dataloaders.add(self._shared_dataloader)
+        batchify = self._batchify()
+        if self._shares_dataloader:
+            self._ensure_shared_dataloader()
             self._swap.current = dataset
             self._batch_list.batches = batches
             try:
                 yield from _thread_batches(self._shared_dataloader, self.timeout, key, len(batches))
             finally:
-                self._swap.current = None
+                if self._swap.current is dataset:  # a late close must not clear a newer shard
+                    self._swap.current = None
             return
         # A process pool (thread_pool=False) is forked per shard and driven by _pool_batches,
         # which notices a dead worker (MXNet would wait for its lost batch forever) and a slow

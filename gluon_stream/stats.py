@@ -20,7 +20,7 @@ __all__ = ["EpochRecord", "ProgressBar", "ShardRecord", "Span", "Stats"]
 
 logger = logging.getLogger(__name__)
 
-MAX_SPANS = 200_000
+MAX_SPANS = 50_000
 TRAIN_LANE = "train"
 PRODUCER_PHASES = ("generate", "load", "transform")
 TRAIN_PHASES = ("busy", "wait")
@@ -28,7 +28,7 @@ COLORS = {"generate": "#e8a33d", "load": "#4c8bd6", "transform": "#59a14f",
           "busy": "#2f7d32", "wait": "#d62728"}
 
 
-@dataclass
+@dataclass(slots=True)
 class Span:
     """One interval on the timeline.
 

@@ -349,6 +349,10 @@ class _EpochRun:
             self.pending.append((key, self.index, self._submit(key, self.index)))
             self.index += 1
 
+    def start(self) -> None:
+        """Submit the first window of shards now (otherwise the first ``next_shard`` does)."""
+        self._fill(self.stream.prefetch + 1)
+
     def ready_ahead(self) -> int:
         """Shards ahead of the consumer that are already produced."""
         return sum(1 for _, _, fut in self.pending if fut.done())
