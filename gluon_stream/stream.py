@@ -166,6 +166,7 @@ class ShardStream:
         self.epoch = 0
         self._epoch_set = False
         self._finisher: Callable[[Shard], None] | None = None
+        self._next_run: _EpochRun | None = None
         self._sizes: dict[tuple, int] = {}
         self._shard_sizes = shard_sizes
         self._res = _Resources(source, producers)
@@ -248,15 +249,30 @@ class ShardStream:
     def start_epoch(self, skip: int = 0) -> "_EpochRun":
         """Begin producing the current epoch after ``skip`` shards; cancels any unfinished pass."""
         self.check_open()
-        for old in list(self._res.runs):
-            old.cancel()
         epoch = self.epoch
         if not self._epoch_set:
             self.epoch += 1  # without set_epoch, each pass is a new epoch
         self._epoch_set = False
+        ahead, self._next_run = self._next_run, None
+        for old in list(self._res.runs):
+            if old is not ahead:
+                old.cancel()
+        if ahead is not None and ahead.epoch == epoch and not skip and not ahead.cancelled:
+            return ahead  # its first shards were produced while the last epoch ended
+        if ahead is not None:
+            ahead.cancel()
         run = _EpochRun(self, epoch, skip)
         self._res.runs.add(run)
         return run
+
+    def _run_ahead(self, epoch: int) -> "_EpochRun | None":
+        """The pass of the epoch after this one, started early to hide its first shards' cost."""
+        if self._next_run is None or self._next_run.epoch != epoch:
+            if self._next_run is not None:
+                self._next_run.cancel()
+            self._next_run = _EpochRun(self, epoch)
+            self._res.runs.add(self._next_run)
+        return self._next_run
 
     def produce_now(self, key: Any, epoch: int) -> Shard:
         """Produce one shard in the calling thread, exactly as the producers would (for resume)."""
@@ -340,7 +356,7 @@ class _EpochRun:
     def _submit(self, key: Any, index: int) -> cf.Future:
         return self.stream._res.executor.submit(self.stream._produce, key, self.epoch, index, self)
 
-    def _fill(self, depth: int) -> None:
+    def _fill(self, depth: int, ahead: bool = True) -> None:
         while len(self.pending) < depth and not self.exhausted:
             key = next(self.keys, _END)
             if key is _END:
@@ -348,6 +364,17 @@ class _EpochRun:
                 break
             self.pending.append((key, self.index, self._submit(key, self.index)))
             self.index += 1
+        if ahead and self.exhausted and self.finite and len(self.pending) < depth \
+                and not self.cancelled:
+            # the window has room: start on the next epoch (the one set_epoch(e + 1) or the
+            # next pass will ask for); a different epoch discards it
+            try:
+                nxt = self.stream._run_ahead(self.epoch + 1)
+            except Exception as exc:  # keys(epoch + 1) failed: it raises again when that epoch starts
+                logger.debug("not starting epoch %d early: %s: %s", self.epoch + 1,
+                             type(exc).__name__, exc)
+                return
+            nxt._fill(depth - len(self.pending), ahead=False)
 
     def start(self) -> None:
         """Submit the first window of shards now (otherwise the first ``next_shard`` does)."""

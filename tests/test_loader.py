@@ -333,3 +333,27 @@ def test_no_more_than_prefetch_plus_one_shards_are_held(prefetch):
             peak.append(len(alive))
     assert max(peak) <= prefetch + 1
     assert len(peak) == 40
+
+
+def test_next_epochs_first_shards_are_produced_while_this_epoch_ends():
+    gate = Gate({k: 8 for k in range(60)})
+    for k in range(60):
+        gate.release[k].set()
+    gate.release[10].clear()  # epoch 1's first shard (keys 10..12)
+    src = gs.FunctionSource(lambda epoch: [10 * epoch + i for i in range(3)],
+                            lambda k: id_shards(gate.sizes)(k) if gate(k) is not None else None)
+    with gs.StreamLoader(src, batch_size=BS, prefetch=2) as loader:
+        loader.set_epoch(0)
+        it = iter(loader)
+        first = [batch_ids(next(it)) for _ in range(3)]  # now on shard 1, shard 2 is ahead
+        assert gate.started[10].wait(10)  # epoch 1 began while epoch 0 was still being consumed
+        assert not gate.started[11].is_set()  # within the same window of prefetch shards
+        first += [batch_ids(b) for b in it]
+        gate.release[10].set()
+        loader.set_epoch(1)
+        second = [i for b in loader for i in batch_ids(b)]
+        loader.set_epoch(5)  # not the epoch produced ahead (2): that work is dropped
+        fifth = [i for b in loader for i in batch_ids(b)]
+    assert sorted(i for b in first for i in b) == all_ids([8] * 3)
+    assert sorted(second) == [1000 * k + i for k in (10, 11, 12) for i in range(8)]
+    assert sorted(fifth) == [1000 * k + i for k in (50, 51, 52) for i in range(8)]
