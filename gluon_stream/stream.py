@@ -13,6 +13,7 @@ import concurrent.futures as cf
 import itertools
 import logging
 import threading
+import time
 import weakref
 import zlib
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ __all__ = ["Shard", "ShardStream"]
 logger = logging.getLogger(__name__)
 
 WAIT_SLICE_S = 0.5  # how often a waiting consumer re-checks for close()
+CLOSE_WAIT_S = 2.0  # how long close() waits for producer threads to finish their shard
 _END = object()
 
 
@@ -94,7 +96,14 @@ class _Resources:
         for run in list(self.runs):
             run.cancel()
         self.source.close()  # kills running generator process groups
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        for thread in list(getattr(self.executor, "_threads", ())):
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():  # a Python transform/fn cannot be interrupted from outside
+                logger.warning("producer thread %s is still running a transform or a "
+                               "FunctionSource fn after close(); it ends when that call returns",
+                               thread.name)
 
 
 class ShardStream:

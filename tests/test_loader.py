@@ -336,8 +336,8 @@ def test_no_more_than_prefetch_plus_one_shards_are_held(prefetch):
 
 
 def test_next_epochs_first_shards_are_produced_while_this_epoch_ends():
-    gate = Gate({k: 8 for k in range(60)})
-    for k in range(60):
+    gate = Gate({k: 8 for k in range(80)})
+    for k in range(80):  # epochs 0, 1, 5 and the ones started ahead (2, 6)
         gate.release[k].set()
     gate.release[10].clear()  # epoch 1's first shard (keys 10..12)
     src = gs.FunctionSource(lambda epoch: [10 * epoch + i for i in range(3)],
@@ -357,3 +357,17 @@ def test_next_epochs_first_shards_are_produced_while_this_epoch_ends():
     assert sorted(i for b in first for i in b) == all_ids([8] * 3)
     assert sorted(second) == [1000 * k + i for k in (10, 11, 12) for i in range(8)]
     assert sorted(fifth) == [1000 * k + i for k in (50, 51, 52) for i in range(8)]
+
+
+def test_close_does_not_wait_forever_for_a_stuck_python_fn(caplog):
+    gate = Gate([4, 4])
+    gate.release[0].set()
+    loader = gs.StreamLoader(gs.FunctionSource(range(2), gate), batch_size=BS, prefetch=1)
+    it = iter(loader)
+    next(it)
+    assert gate.started[1].wait(10)
+    with caplog.at_level("WARNING", logger="gluon_stream"):
+        loader.close()  # returns although fn(1) is still blocked
+    assert not gate.release[1].is_set()
+    assert "still running" in caplog.text
+    gate.release[1].set()  # let the thread finish so the leak check sees it gone
