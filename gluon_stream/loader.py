@@ -251,7 +251,7 @@ class StreamLoader:
         self._finalizer = weakref.finalize(self, self._res.close)
         if self.vectorised:
             ctx = _compat.context(pin_memory, pin_device_id)
-            stream._finisher = lambda shard: _to_ndarrays(shard, ctx)
+            stream._finisher = lambda shard, order: _to_ndarrays(shard, ctx, order)
             if num_workers:
                 logger.info("num_workers=%d unused: without batchify_fn/sample_transform, batches "
                             "are slices of a shard prepared in the background", num_workers)
@@ -591,10 +591,11 @@ class StreamLoader:
                 self._res.release(dataloader)
 
 
-def _to_ndarrays(shard: Shard, ctx: Any) -> None:
-    """Producer-side: replace a shard's numpy arrays by NDArrays (one copy, off the hot path)."""
+def _to_ndarrays(shard: Shard, ctx: Any, order: np.ndarray | None) -> None:
+    """Producer-side: replace a shard's numpy arrays by NDArrays holding its rows in ``order``
+    (one copy, off the training loop's path)."""
     if len(shard):
-        shard.arrays = tuple(_compat.to_ndarray(a, ctx) for a in shard.arrays)
+        shard.arrays = tuple(_compat.to_ndarray(a, ctx, order) for a in shard.arrays)
 
 
 def _row(arrays: Sequence[Any], i: int) -> tuple:

@@ -174,7 +174,9 @@ class ShardStream:
         self.stats = stats if stats is not None else Stats()
         self.epoch = 0
         self._epoch_set = False
-        self._finisher: Callable[[Shard], None] | None = None
+        # set by StreamLoader's vectorised path: finisher(shard, order) replaces the shard's
+        # arrays by NDArrays holding its rows in ``order`` (None: as they are)
+        self._finisher: Callable[[Shard, np.ndarray | None], None] | None = None
         self._next_run: _EpochRun | None = None
         self._sizes: dict[tuple, int] = {}
         self._shard_sizes = shard_sizes
@@ -307,12 +309,17 @@ class ShardStream:
                              f"(file {raw.path!r}, epoch {epoch})")
                 raise
             arrays = normalize_arrays(value, what=f"transform output of shard {key!r}")
+        order = None
         if self.shuffle and len(arrays[0]) > 1:
-            perm = _seed_sequence(self.seed, epoch, key_hash(key)).permutation(len(arrays[0]))
-            arrays = tuple(a[perm] for a in arrays)
-        shard = Shard(key, epoch, index, arrays)
-        if self._finisher is not None and not (run is not None and run.cancelled):
-            self._finisher(shard)
+            order = _seed_sequence(self.seed, epoch, key_hash(key)).permutation(len(arrays[0]))
+        if self._finisher is not None:  # it applies the order while copying (no extra copy)
+            shard = Shard(key, epoch, index, arrays)
+            if not (run is not None and run.cancelled):
+                self._finisher(shard, order)
+        else:
+            if order is not None:
+                arrays = tuple(np.take(a, order, axis=0) for a in arrays)
+            shard = Shard(key, epoch, index, arrays)
         t2 = clock()
         gen_end = t0 + raw.generate_s
         load_end = gen_end + raw.load_s
