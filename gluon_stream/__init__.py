@@ -15,7 +15,7 @@ from .sources import CommandSource, FileSource, FunctionSource, Source
 from .stats import Stats
 from .stream import Shard, ShardStream
 
-__all__ = sorted([
+__all__ = [
     "BatchTimeout",
     "CommandSource",
     "CorruptShard",
@@ -38,4 +38,4 @@ __all__ = sorted([
     "inspect_shard",
     "load_shard",
     "write_shard",
-])
+]

@@ -56,6 +56,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from . import _compat
+from .demo import small_regressor
 from .errors import ShardError
 from .generator import generator_command, make_windows
 from .loader import StreamLoader
@@ -282,25 +283,13 @@ def _make_step(workload: Workload) -> Callable[[Any], None]:
                 time.sleep(seconds)
         return sleep_step
 
-    from mxnet import autograd, gluon
-
-    net = gluon.nn.HybridSequential()
-    net.add(gluon.nn.Dense(64, activation="relu"), gluon.nn.Dense(1))
-    net.initialize(mx.init.Xavier())
-    net.hybridize()
-    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 1e-3})
-    loss_fn = gluon.loss.L2Loss()
-
+    train_step = small_regressor("sgd")
     ctx = mx.cpu()
 
     def cpu_step(batch: Any) -> None:
         # as a GPU step copies the batch to the device (worker batches live in cpu_shared)
         data, label = (a.as_in_context(ctx) for a in _batch_arrays(batch)[:2])
-        with autograd.record():
-            loss = loss_fn(net(data), label)
-        loss.backward()
-        trainer.step(data.shape[0])
-        loss.wait_to_read()
+        train_step(data, label).wait_to_read()
     return cpu_step
 
 

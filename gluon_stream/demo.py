@@ -15,7 +15,7 @@ import logging
 import os
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 from . import _compat
 from .generator import generator_command, make_windows
@@ -59,14 +59,35 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run_demo)
 
 
+def small_regressor(optimizer: str = "adam", learning_rate: float = 1e-3
+                    ) -> Callable[[Any, Any], Any]:
+    """A small Gluon MLP regressor; returns ``train_step(data, label) -> loss`` (one update)."""
+    mx = _compat.require_mxnet()
+    from mxnet import autograd, gluon
+
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Dense(64, activation="relu"), gluon.nn.Dense(1))
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    trainer = gluon.Trainer(net.collect_params(), optimizer, {"learning_rate": learning_rate})
+    loss_fn = gluon.loss.L2Loss()
+
+    def train_step(data: Any, label: Any) -> Any:
+        with autograd.record():
+            loss = loss_fn(net(data), label)
+        loss.backward()
+        trainer.step(data.shape[0])
+        return loss
+    return train_step
+
+
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo; prints per-epoch samples/s, the stats table and where the timeline went."""
-    mx = _compat.require_mxnet()
+    _compat.require_mxnet()
     if args.prefetch < 0:
         from .cli import UsageError
 
         raise UsageError(f"--prefetch must be >= 0, got {args.prefetch}")
-    from mxnet import autograd, gluon
 
     start = datetime.date(2024, 1, 1)
     keys = [(start + datetime.timedelta(days=i)).isoformat() for i in range(args.shards)]
@@ -74,12 +95,7 @@ def run_demo(args: argparse.Namespace) -> int:
         cache_dir = args.cache_dir or tmp
         source = CommandSource(keys, generator_command(args.rows, args.inputs, args.delay),
                                cache_dir=cache_dir, timeout=120, retries=1)
-        net = gluon.nn.HybridSequential()
-        net.add(gluon.nn.Dense(64, activation="relu"), gluon.nn.Dense(1))
-        net.initialize(mx.init.Xavier())
-        net.hybridize()
-        trainer = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": 1e-3})
-        loss_fn = gluon.loss.L2Loss()
+        train_step = small_regressor("adam")
         with StreamLoader(source, batch_size=args.batch_size, shuffle=True, seed=0,
                           transform=lambda raw: make_windows(raw, args.time_steps),
                           prefetch=args.prefetch, producers=args.producers,
@@ -89,10 +105,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 t0 = time.perf_counter()
                 total, samples = 0.0, 0
                 for data, label in loader:
-                    with autograd.record():
-                        loss = loss_fn(net(data), label)
-                    loss.backward()
-                    trainer.step(data.shape[0])
+                    loss = train_step(data, label)
                     total += float(loss.mean().asscalar()) * data.shape[0]
                     samples += data.shape[0]
                 wall = time.perf_counter() - t0
