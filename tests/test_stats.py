@@ -107,7 +107,8 @@ def test_a_generator_that_sleeps_shows_at_least_that_time():
         assert rec.generate_s >= delay and not rec.cache_hit
         assert rec.producer.startswith("gluon_stream-producer")
     gen = [s for s in stats.spans if s.name == "generate"]
-    assert len(gen) == 3 and all(s.end - s.start >= delay for s in gen)
+    # the next epoch's first shard may have been started ahead too: it slept as well
+    assert {s.key for s in gen} == {0, 1, 2} and all(s.end - s.start >= delay for s in gen)
     epoch = stats.epochs[0]
     # the first shard is only requested once the pass starts: the loop waited for it
     assert epoch.first_batch_s >= delay and epoch.stall_s >= delay
