@@ -277,8 +277,8 @@ def test_a_prefetch_failure_surfaces_after_the_whole_previous_shard(tmp_path):
 
 
 def test_command_failures_with_skip_drop_exactly_those_shards(tmp_path, caplog):
-    keys = ["k0", "k1", "k2", "k3", "k4", "k5"]
-    modes = {"k1": "exit-nonzero", "k3": "truncated", "k4": "pickle"}
+    keys = ["k0", "k1", "k2", "k3", "k4", "k5", "k6"]
+    modes = {"k1": "exit-nonzero", "k3": "truncated", "k4": "pickle", "k6": "no-file"}
     src = gs.CommandSource(keys, command("ok", workdir=tmp_path, modes=modes, rows=7),
                            cache_dir=tmp_path / "cache", retries=0, timeout=20)
     caplog.set_level(logging.WARNING, logger="gluon_stream")
@@ -290,11 +290,12 @@ def test_command_failures_with_skip_drop_exactly_those_shards(tmp_path, caplog):
     assert [len(d) for d in data] == [4, 4, 4, 4, 4, 1]
     expected = np.concatenate([_values(k, 7) for k in ("k0", "k2", "k5")])
     np.testing.assert_array_equal(rows, expected)
-    assert record.skipped_shards == 3 and loader.stats.skipped_shards == 3
+    assert record.skipped_shards == 4 and loader.stats.skipped_shards == 4
     skips = [r for r in caplog.records if "skipping shard" in r.getMessage()]
-    assert [r.levelno for r in skips] == [logging.WARNING] * 3
-    assert {m for m in ("k1", "k3", "k4") if any(repr(m) in r.getMessage() for r in skips)} \
-        == {"k1", "k3", "k4"}
+    assert [r.levelno for r in skips] == [logging.WARNING] * 4
+    bad = ("k1", "k3", "k4", "k6")
+    assert {m for m in bad if any(repr(m) in r.getMessage() for r in skips)} == set(bad)
+    assert "wrote no file" in skips[-1].getMessage()
     assert sorted(os.listdir(tmp_path / "cache")) == ["k0.npy", "k2.npy", "k5.npy"]
 
 
@@ -302,6 +303,90 @@ def _values(key, rows):
     from fake_generator import shard_values
 
     return shard_values(key, rows, 3)
+
+
+def test_shard_stream_skip_yields_only_the_good_shards():
+    def fn(key):
+        if key in (1, 3):
+            raise OSError(f"no data for {key}")
+        return np.full((3, 2), key)
+
+    with gs.ShardStream(gs.FunctionSource(range(5), fn), on_error="skip") as stream:
+        shards = [(s.key, s.arrays[0][0, 0]) for s in stream]
+        skipped = [(r.key, r.error) for r in stream.stats.shards if r.error]
+    assert skipped == [(1, "ShardError: shard 1: fn(1) raised OSError: no data for 1"),
+                       (3, "ShardError: shard 3: fn(3) raised OSError: no data for 3")]
+    assert shards == [(0, 0), (2, 2), (4, 4)]
+
+
+_TIMEOUT_BUG = ("stream._EpochRun._poll catches concurrent.futures.TimeoutError, which is the "
+                "built-in TimeoutError since Python 3.11: a shard that failed with ShardTimeout "
+                "(or any TimeoutError) is taken for 'not ready yet' and polled forever")
+
+
+_TIMEOUTS_REACH_THE_USER = r"""
+import sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+import gluon_stream as gs
+from fake_generator import command, shard_values
+
+def rows(loader, out):
+    for batch in loader:
+        out.append(batch.asnumpy())
+
+# 1. a generator timeout, policy 'raise': ShardTimeout after all of k0
+src = gs.CommandSource(["k0", "k1", "k2"], command("ok", modes={{"k1": "hang"}}, rows=8),
+                       cache_dir={cache!r} + "/a", retries=0, timeout=1)
+out = []
+with gs.StreamLoader(src, batch_size=4) as loader:
+    try:
+        rows(loader, out)
+        sys.exit("no ShardTimeout")
+    except gs.ShardTimeout as exc:
+        assert "'k1'" in str(exc), exc
+np.testing.assert_array_equal(np.concatenate(out), shard_values("k0", 8, 3))
+
+# 2. the same with 'skip': k0 and k2 delivered, one shard skipped
+src = gs.CommandSource(["k0", "k1", "k2"], command("ok", modes={{"k1": "hang"}}, rows=8),
+                       cache_dir={cache!r} + "/b", retries=0, timeout=1)
+out = []
+with gs.StreamLoader(src, batch_size=4, on_error="skip") as loader:
+    rows(loader, out)
+    assert loader.stats.skipped_shards == 1
+np.testing.assert_array_equal(np.concatenate(out),
+                              np.concatenate([shard_values(k, 8, 3) for k in ("k0", "k2")]))
+
+# 3. a user transform that raises the built-in TimeoutError
+def transform(raw):
+    raise TimeoutError("the feature service did not answer")
+
+with gs.StreamLoader(gs.FunctionSource([0], lambda k: np.zeros(4)), batch_size=4,
+                     transform=transform) as loader:
+    try:
+        rows(loader, [])
+        sys.exit("no TimeoutError")
+    except TimeoutError as exc:
+        assert "feature service" in str(exc)
+print("ok")
+"""
+
+
+@pytest.mark.xfail(reason=_TIMEOUT_BUG, strict=False)
+@pytest.mark.timeout(60)
+def test_timeout_errors_from_generators_and_transforms_reach_the_user(tmp_path):
+    """Run in a child process joined with a timeout: with the bug, the loader spins forever."""
+    code = _TIMEOUTS_REACH_THE_USER.format(tests=os.path.dirname(__file__),
+                                           cache=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=JOIN_S)
+        pytest.fail("the loader never surfaced the TimeoutError (killed after 20 s)")
+    assert proc.returncode == 0 and out.strip() == "ok", err[-2000:]
 
 
 class BadRow(KeyError):
