@@ -10,7 +10,8 @@ that epoch's keys. Sources are thread-safe: a :class:`~gluon_stream.ShardStream`
 """
 from __future__ import annotations
 
-import errno
+import contextlib
+import fcntl
 import glob
 import logging
 import os
@@ -42,6 +43,30 @@ MAX_KEY_LENGTH = 200
 STDERR_TAIL_BYTES = 4096
 WAIT_SLICE_S = 0.5  # how often a blocked wait re-checks close()
 _DISK_FULL_HINTS = ("No space left on device", "ENOSPC", "[Errno 28]", "Disk quota exceeded")
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B)\s*", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
+          "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
+LOAD_ATTEMPTS = 3  # a shard evicted by another process between lookup and load is made again
+
+
+def parse_cache_limit(limit: int | str | None) -> tuple[int | None, int | None]:
+    """``cache_limit`` as (max shards, max bytes): an int counts shards, ``'20GB'`` is bytes."""
+    if limit is None:
+        return None, None
+    if isinstance(limit, bool):
+        raise ValueError(f"cache_limit must be a shard count or a size like '20GB', got {limit!r}")
+    if isinstance(limit, int):
+        if limit < 1:
+            raise ValueError(f"cache_limit must keep at least 1 shard, got {limit!r}")
+        return limit, None
+    match = _SIZE.fullmatch(str(limit))
+    if not match:
+        raise ValueError(f"cache_limit must be a shard count or a size like '20GB', '500MB', "
+                         f"'1.5GiB', got {limit!r}")
+    size = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    if size < 1:
+        raise ValueError(f"cache_limit must be positive, got {limit!r}")
+    return None, size
 
 
 def validate_key(key: Any) -> str:
@@ -99,8 +124,10 @@ class Source:
             return keys, False
         return list(keys), True
 
-    def produce(self, key: Any, epoch: int) -> RawShard:  # pragma: no cover - abstract
-        raise NotImplementedError
+    def produce(self, key: Any, epoch: int, executor: Any = None) -> RawShard:
+        """The shard's raw arrays; ``executor`` (a ``concurrent.futures.Executor``) may run
+        the generation elsewhere."""
+        raise NotImplementedError  # pragma: no cover - abstract
 
     def num_samples(self, key: Any, epoch: int) -> int | None:
         """Sample count of a shard if known without producing it, else None."""
@@ -132,15 +159,72 @@ class _ShardCache:
     SUFFIXES = (".npy", ".npz")
 
     def __init__(self, cache_dir: str | os.PathLike, lock_timeout: float,
-                 closed: threading.Event | None = None) -> None:
+                 closed: threading.Event | None = None, limit: int | str | None = None) -> None:
         if lock_timeout <= 0:
             raise ValueError(f"lock_timeout must be positive seconds, got {lock_timeout!r}")
+        self.max_shards, self.max_bytes = parse_cache_limit(limit)
         self.root = os.path.realpath(os.fspath(cache_dir))
         os.makedirs(self.root, exist_ok=True)
         self.lock_timeout = lock_timeout
         self.closed = closed if closed is not None else threading.Event()
         self._remove_stale_temps()
         self._remove_stale_locks()
+
+    def __getstate__(self) -> dict:
+        """Picklable (for a remote executor): the closed flag stays with this process."""
+        state = dict(self.__dict__)
+        del state["closed"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.closed = threading.Event()
+
+    @contextlib.contextmanager
+    def reading(self, path: str) -> Any:
+        """Hold a shared lock on a finished shard while it is read: eviction skips it.
+
+        Raises FileNotFoundError when the shard was evicted before the lock was taken.
+        """
+        with open(path, "rb") as fp:
+            fcntl.flock(fp.fileno(), fcntl.LOCK_SH)
+            if os.fstat(fp.fileno()).st_ino != os.stat(path).st_ino:
+                raise FileNotFoundError(path)  # replaced: read the new one instead
+            os.utime(path)  # least recently used goes first
+            yield path
+
+    def enforce_limit(self, keep: str) -> None:
+        """Evict least recently used shards until the cache fits ``cache_limit``.
+
+        Shards held by a reader anywhere (a shared lock) and ``keep`` are never evicted;
+        one process evicts at a time.
+        """
+        if self.max_shards is None and self.max_bytes is None:
+            return
+        lock = FileLock(os.path.join(self.root, ".cache-evict.lock"), timeout=self.lock_timeout)
+        with lock:
+            shards = []
+            for entry in os.scandir(self.root):
+                if entry.name.startswith(".") or not entry.name.endswith(self.SUFFIXES):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    info = entry.stat(follow_symlinks=False)
+                    shards.append((info.st_mtime, entry.path, info.st_size))
+            shards.sort()
+            count, total = len(shards), sum(size for _, _, size in shards)
+            for _, path, size in shards:
+                if not self._over(count, total):
+                    break
+                if path == keep or not _evict_if_unread(path):
+                    continue
+                count, total = count - 1, total - size
+                logger.info("cache_limit: evicted %s (%d shards, %d bytes left)", path, count,
+                            total)
+            _unlink_missing_ok(lock.lock_file)
+
+    def _over(self, count: int, total: int) -> bool:
+        return ((self.max_shards is not None and count > self.max_shards)
+                or (self.max_bytes is not None and total > self.max_bytes))
 
     def _remove_stale_temps(self) -> None:
         """Delete temp files left by crashed runs (their writer's pid is gone)."""
@@ -239,6 +323,21 @@ class _ShardCache:
         _unlink_missing_ok(path)
 
 
+def _evict_if_unread(path: str) -> bool:
+    """Delete a shard unless someone holds a shared lock on it (is reading it)."""
+    try:
+        fp = open(path, "rb")
+    except FileNotFoundError:
+        return False
+    with fp:
+        try:
+            fcntl.flock(fp.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        _unlink_missing_ok(path)
+        return True
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -260,11 +359,51 @@ class _CachingSource(Source):
     """Shared logic of sources that may write shards into a cache directory."""
 
     def __init__(self, keys: Keys, cache_dir: str | os.PathLike | None, lock_timeout: float,
-                 mmap: bool) -> None:
+                 mmap: bool, cache_limit: int | str | None = None) -> None:
         super().__init__(keys)
-        self._cache = (_ShardCache(cache_dir, lock_timeout, self._closed)
+        if cache_limit is not None and cache_dir is None:
+            raise ValueError("cache_limit needs a cache_dir")
+        self._cache = (_ShardCache(cache_dir, lock_timeout, self._closed, cache_limit)
                        if cache_dir is not None else None)
         self._mmap = mmap
+
+    def __getstate__(self) -> dict:
+        """Picklable for a remote executor: configuration only, no threads or processes."""
+        state = dict(self.__dict__)
+        for name in ("_closed", "_procs", "_procs_lock"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._closed = threading.Event()
+        if "command" in state:
+            self._procs, self._procs_lock = set(), threading.Lock()
+
+    def _create(self, key: Any, epoch: int) -> str:  # pragma: no cover - abstract
+        """Write the shard for ``key`` to a validated temp file in the cache; return its path."""
+        raise NotImplementedError
+
+    def ensure_file(self, key: Any, epoch: int) -> tuple[str, bool, float]:
+        """Make sure the shard is in the cache: (path, cache_hit, seconds).
+
+        Runs wherever ``cache_dir`` is visible, e.g. on a dask worker of a shared filesystem.
+        """
+        name = self._shard_name(key, epoch)
+        t0 = time.perf_counter()
+        path, hit = self._cache.get_or_create(name, lambda: self._create(key, epoch))
+        if not hit:
+            self._cache.enforce_limit(keep=path)
+        return path, hit, time.perf_counter() - t0
+
+    def produce(self, key: Any, epoch: int, executor: Any = None) -> RawShard:
+        """Generate (locally, or on ``executor``) unless cached, then load and validate."""
+        self._check_open()
+        validate_key(key)
+        if executor is None:
+            return self._load_cached(key, epoch, self.ensure_file)
+        return self._load_cached(
+            key, epoch, lambda k, e: executor.submit(_ensure_remote, self, k, e).result())
 
     def keys_for_epoch(self, epoch: int) -> tuple[Iterable[Any], bool]:
         """As :meth:`Source.keys_for_epoch`; finite keys of a cache are all validated up front.
@@ -289,25 +428,31 @@ class _CachingSource(Source):
             return None
         return inspect_shard(path)[0].shape[0]
 
-    def _load_cached(self, key: Any, epoch: int, create: Callable[[], str]) -> RawShard:
+    def _load_cached(self, key: Any, epoch: int,
+                     ensure: Callable[[Any, int], tuple[str, bool, float]]) -> RawShard:
+        """``ensure`` the file, then load it under a shared lock (so no process evicts it)."""
         assert self._cache is not None
-        name = self._shard_name(key, epoch)
-        t0 = time.perf_counter()
-        path, hit = self._cache.get_or_create(name, create)
-        t1 = time.perf_counter()
-        try:
-            arrays = load_shard(path, mmap=self._mmap)
-        except (CorruptShard, UnsafeShard):
-            self._cache.evict(path)
-            if not hit:
-                raise
-            logger.warning("cached shard %s for key %r is unreadable; deleted it, regenerating",
-                           path, key)
-            path, hit = self._cache.get_or_create(name, create)
+        generate_s = 0.0
+        for attempt in range(LOAD_ATTEMPTS):
+            path, hit, seconds = ensure(key, epoch)
+            generate_s += seconds
             t1 = time.perf_counter()
-            arrays = load_shard(path, mmap=self._mmap)
-        t2 = time.perf_counter()
-        return RawShard(key, epoch, arrays, path, hit, t1 - t0, t2 - t1)
+            try:
+                with self._cache.reading(path):
+                    arrays = load_shard(path, mmap=self._mmap)
+            except FileNotFoundError:
+                logger.info("shard %r was evicted before it could be read; making it again", key)
+                continue
+            except (CorruptShard, UnsafeShard):
+                self._cache.evict(path)
+                if not hit or attempt:
+                    raise
+                logger.warning("cached shard %s for key %r is unreadable; deleted it, "
+                               "regenerating", path, key)
+                continue
+            return RawShard(key, epoch, arrays, path, hit, generate_s, time.perf_counter() - t1)
+        raise ShardError(f"shard {key!r}: evicted {LOAD_ATTEMPTS} times before it could be read; "
+                         "raise cache_limit above the number of shards in flight", key=key)
 
 
 class CommandSource(_CachingSource):
@@ -336,7 +481,7 @@ class CommandSource(_CachingSource):
     def __init__(self, keys: Keys, command: Sequence[str], *, cache_dir: str | os.PathLike,
                  timeout: float | None = 600.0, retries: int = 2, backoff: float = 0.5,
                  suffix: str = ".npy", env: dict | None = None, lock_timeout: float = 3600.0,
-                 mmap: bool = False) -> None:
+                 mmap: bool = False, cache_limit: int | str | None = None) -> None:
         if isinstance(command, (str, bytes)) or not command:
             raise TypeError("command must be a non-empty list of arguments (argv), e.g. "
                             "['./gen', '--date', '{key}', '--out', '{path}']; it never runs in a shell")
@@ -350,7 +495,7 @@ class CommandSource(_CachingSource):
             raise ValueError(f"suffix must be '.npy' or '.npz', got {suffix!r}")
         if cache_dir is None:
             raise ValueError("CommandSource needs a cache_dir: the program writes files there")
-        super().__init__(keys, cache_dir, lock_timeout, mmap)
+        super().__init__(keys, cache_dir, lock_timeout, mmap, cache_limit)
         self.command = [str(arg) for arg in command]
         self.timeout = timeout
         self.retries = retries
@@ -371,12 +516,7 @@ class CommandSource(_CachingSource):
         # one pass, so a token inside a substituted value (a cache_dir named '{epoch}') stays
         return [_TOKEN.sub(lambda m: values[m.group(0)], arg) for arg in self.command]
 
-    def produce(self, key: Any, epoch: int) -> RawShard:
-        self._check_open()
-        validate_key(key)
-        return self._load_cached(key, epoch, lambda: self._generate(key, epoch))
-
-    def _generate(self, key: Any, epoch: int) -> str:
+    def _create(self, key: Any, epoch: int) -> str:
         name = self._shard_name(key, epoch)
         attempts = self.retries + 1
         for attempt in range(attempts):
@@ -559,10 +699,10 @@ class FunctionSource(_CachingSource):
 
     def __init__(self, keys: Keys, fn: Callable[[Any], Any], *,
                  cache_dir: str | os.PathLike | None = None, lock_timeout: float = 3600.0,
-                 mmap: bool = False) -> None:
+                 mmap: bool = False, cache_limit: int | str | None = None) -> None:
         if not callable(fn):
             raise TypeError(f"fn must be callable fn(key) -> arrays, got {type(fn).__name__}")
-        super().__init__(keys, cache_dir, lock_timeout, mmap)
+        super().__init__(keys, cache_dir, lock_timeout, mmap, cache_limit)
         self.fn = fn
 
     def _call(self, key: Any) -> tuple[np.ndarray, ...]:
@@ -575,19 +715,31 @@ class FunctionSource(_CachingSource):
                              f"raised {type(exc).__name__}: {exc}", key=key) from exc
         return normalize_arrays(value, what=f"shard {key!r}")
 
-    def produce(self, key: Any, epoch: int) -> RawShard:
+    def produce(self, key: Any, epoch: int, executor: Any = None) -> RawShard:
         self._check_open()
-        if self._cache is None:
-            t0 = time.perf_counter()
+        if self._cache is not None:
+            return super().produce(key, epoch, executor)
+        t0 = time.perf_counter()
+        if executor is None:
             arrays = self._call(key)
-            return RawShard(key, epoch, arrays, None, False, time.perf_counter() - t0, 0.0)
+        else:
+            arrays = executor.submit(_call_remote, self, key).result()
+        return RawShard(key, epoch, arrays, None, False, time.perf_counter() - t0, 0.0)
 
-        def create() -> str:
-            arrays = self._call(key)
-            suffix = ".npy" if len(arrays) == 1 else ".npz"
-            return write_shard(self._cache.temp_path(self._shard_name(key, epoch), suffix), arrays)
+    def _create(self, key: Any, epoch: int) -> str:
+        arrays = self._call(key)
+        suffix = ".npy" if len(arrays) == 1 else ".npz"
+        return write_shard(self._cache.temp_path(self._shard_name(key, epoch), suffix), arrays)
 
-        return self._load_cached(key, epoch, create)
+
+def _ensure_remote(source: _CachingSource, key: Any, epoch: int) -> tuple[str, bool, float]:
+    """Runs on a remote executor's worker: generate the shard into the shared cache_dir."""
+    return source.ensure_file(key, epoch)
+
+
+def _call_remote(source: FunctionSource, key: Any) -> tuple[np.ndarray, ...]:
+    """Runs on a remote executor's worker: call fn(key) there and send the arrays back."""
+    return source._call(key)
 
 
 class FileSource(Source):
@@ -612,7 +764,7 @@ class FileSource(Source):
         super().__init__([os.fspath(p) for p in paths])
         self._mmap = mmap
 
-    def produce(self, key: Any, epoch: int) -> RawShard:
+    def produce(self, key: Any, epoch: int, executor: Any = None) -> RawShard:
         self._check_open()
         t0 = time.perf_counter()
         arrays = load_shard(key, mmap=self._mmap)

@@ -116,7 +116,10 @@ class ShardStream:
             the ``.npy`` array or the tuple of ``.npz`` arrays. Returns an array, a tuple or a
             dict of arrays with a common first (sample) dimension.
         prefetch: Shards produced ahead of the one being consumed (0: none).
-        producers: Producer threads (shards generated in parallel).
+        producers: Producer threads (shards generated in parallel), or a
+            ``concurrent.futures.Executor`` (e.g. ``dask.distributed.Client.get_executor()``)
+            that generates shards elsewhere into a ``cache_dir`` both sides can see; the shards
+            are then loaded and transformed here, in order.
         shuffle: Shuffle the shard order (finite keys) and the samples within each shard,
             deterministically from ``(seed, epoch)``.
         seed: Seed for shuffling; None draws one (logged at INFO).
@@ -140,7 +143,7 @@ class ShardStream:
     """
 
     def __init__(self, source: Source, *, transform: Callable[[Any], Any] | None = None,
-                 prefetch: int = 2, producers: int = 1, shuffle: bool = False,
+                 prefetch: int = 2, producers: int | cf.Executor = 1, shuffle: bool = False,
                  seed: int | None = None, on_error: Any = "raise",
                  schema: Sequence[tuple[Any, Sequence[int]]] | None = None,
                  stats: Stats | None = None, num_parts: int | str = 1,
@@ -151,8 +154,12 @@ class ShardStream:
                             f"{type(source).__name__}")
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
-        if not isinstance(producers, int) or producers < 1:
-            raise ValueError(f"producers must be an integer >= 1, got {producers!r}")
+        self._remote = producers if isinstance(producers, cf.Executor) else None
+        if self._remote is not None:
+            producers = prefetch + 1  # local threads only wait for, load and transform shards
+        elif not isinstance(producers, int) or isinstance(producers, bool) or producers < 1:
+            raise ValueError(f"producers must be an integer >= 1 or a concurrent.futures.Executor, "
+                             f"got {producers!r}")
         if transform is not None and not callable(transform):
             raise TypeError(f"transform must be callable, got {type(transform).__name__}")
         self.source = source
@@ -297,7 +304,8 @@ class ShardStream:
         lane = threading.current_thread().name
         clock = self.stats.clock
         t0 = clock()
-        raw: RawShard = self.source.produce(key, epoch)
+        raw: RawShard = (self.source.produce(key, epoch) if self._remote is None
+                         else self.source.produce(key, epoch, executor=self._remote))
         t1 = clock()
         arrays = raw.arrays
         if self.transform is not None:
@@ -459,13 +467,13 @@ class _EpochRun:
             self.last_wait_s = clock() - start
 
     def _poll(self, fut: cf.Future) -> Shard:
-        while True:
-            try:
-                return fut.result(timeout=WAIT_SLICE_S)
-            except cf.TimeoutError:
-                self.stream.check_open()
-                if self.cancelled:
-                    raise LoaderClosed("this epoch pass was cancelled") from None
+        # cf.wait, not result(timeout=): since Python 3.11 cf.TimeoutError is the built-in
+        # TimeoutError, so a shard that failed with ShardTimeout would look 'not ready yet'
+        while not cf.wait([fut], timeout=WAIT_SLICE_S).done:
+            self.stream.check_open()
+            if self.cancelled:
+                raise LoaderClosed("this epoch pass was cancelled")
+        return fut.result()
 
     def cancel(self) -> None:
         """Drop queued work; running producers finish (populating caches) and are ignored."""
