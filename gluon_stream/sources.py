@@ -19,6 +19,7 @@ import re
 import selectors
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 import uuid
@@ -742,12 +743,30 @@ def _call_remote(source: FunctionSource, key: Any) -> tuple[np.ndarray, ...]:
     return source._call(key)
 
 
+def _is_url(path: str) -> bool:
+    """A remote or protocol-prefixed location (``s3://``, ``memory://``), read through fsspec."""
+    return "://" in path and not path.startswith("file://")
+
+
+def _fsspec() -> Any:
+    try:
+        import fsspec
+    except ImportError as exc:
+        raise ImportError("reading shards from URLs needs fsspec (and its backend, e.g. s3fs): "
+                          "pip install 'gluon_stream[remote]'") from exc
+    return fsspec
+
+
 class FileSource(Source):
     """Read existing shard files (``.npy`` / ``.npz``); each file's path is its key.
 
+    Paths may be fsspec URLs (``s3://bucket/shards/*.npy``, ``gcs://...``, ``memory://...``,
+    ``file://...``; needs ``fsspec`` and the protocol's backend): a remote shard is copied to a
+    private temporary file, validated and loaded like a local one, and the copy is removed.
+
     Args:
-        paths: A glob pattern (sorted matches), or a list of paths.
-        mmap: Memory-map ``.npy`` files instead of reading them.
+        paths: A glob pattern (sorted matches), or a list of paths or URLs.
+        mmap: Memory-map local ``.npy`` files instead of reading them.
 
     Example:
         >>> src = FileSource("shards/*.npy")  # doctest: +SKIP
@@ -757,18 +776,55 @@ class FileSource(Source):
                  mmap: bool = False) -> None:
         if isinstance(paths, (str, os.PathLike)):
             pattern = os.fspath(paths)
-            matched = sorted(glob.glob(pattern))
+            matched = _glob_urls(pattern) if "://" in pattern else sorted(glob.glob(pattern))
             if not matched:
                 raise FileNotFoundError(f"FileSource: no files match {pattern!r}")
             paths = matched
-        super().__init__([os.fspath(p) for p in paths])
+        super().__init__([_local_or_url(os.fspath(p)) for p in paths])
         self._mmap = mmap
 
     def produce(self, key: Any, epoch: int, executor: Any = None) -> RawShard:
         self._check_open()
         t0 = time.perf_counter()
-        arrays = load_shard(key, mmap=self._mmap)
+        if _is_url(key):
+            with _fetched(key) as local:
+                arrays = load_shard(local)
+        else:
+            arrays = load_shard(key, mmap=self._mmap)
         return RawShard(key, epoch, arrays, key, True, 0.0, time.perf_counter() - t0)
 
     def num_samples(self, key: Any, epoch: int) -> int | None:
+        if _is_url(key):
+            return None  # known after the first pass, without downloading every shard twice
         return inspect_shard(key)[0].shape[0]
+
+
+def _local_or_url(path: str) -> str:
+    return path[len("file://"):] if path.startswith("file://") else path
+
+
+def _glob_urls(pattern: str) -> list[str]:
+    fs, path = _fsspec().core.url_to_fs(pattern)
+    return sorted(fs.unstrip_protocol(p) for p in fs.glob(path))
+
+
+@contextlib.contextmanager
+def _fetched(url: str) -> Any:
+    """Copy a remote shard to a private temporary file for validation; removed afterwards."""
+    fs, path = _fsspec().core.url_to_fs(url)
+    fd, local = tempfile.mkstemp(prefix="gluon_stream_fetch_", suffix=os.path.splitext(path)[1])
+    os.close(fd)
+    try:
+        try:
+            fs.get_file(path, local)
+        except FileNotFoundError as exc:
+            raise CorruptShard(f"shard {url!r} does not exist", path=url,
+                               reason="file does not exist") from exc
+        try:
+            yield local
+        except (CorruptShard, UnsafeShard) as exc:  # name the shard, not the private copy
+            exc.args = (str(exc).replace(local, url),)
+            exc.path = url
+            raise
+    finally:
+        _unlink_missing_ok(local)

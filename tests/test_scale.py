@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -138,3 +139,29 @@ def test_shards_generated_on_a_dask_cluster(tmp_path, generator):
     assert parents <= worker_pids and os.getpid() not in parents  # made on the workers
     assert fn_pids <= worker_pids
     assert not [t.name for t in threading.enumerate() if t.name.startswith("gluon_stream")]
+
+
+def test_file_source_reads_fsspec_urls(tmp_path):
+    fsspec = pytest.importorskip("fsspec")
+    fs = fsspec.filesystem("memory")
+    for k, n in enumerate([5, 3, 6]):
+        with fs.open(f"/gs-test/s{k}.npy", "wb") as fp:
+            np.save(fp, np.arange(n, dtype=np.int64) + 1000 * k)
+    with fs.open("/gs-test/bad.npy", "wb") as fp:
+        fp.write(b"\x93NUMPY junk")
+    try:
+        src = gs.FileSource("memory://gs-test/s*.npy")
+        assert [k.rsplit("/", 1)[1] for k in src.keys_for_epoch(0)[0]] == ["s0.npy", "s1.npy", "s2.npy"]
+        with gs.StreamLoader(src, batch_size=4) as loader:
+            ids = [i for b in loader for i in batch_ids(b)]
+        assert ids == [1000 * k + i for k, n in enumerate([5, 3, 6]) for i in range(n)]
+        with gs.StreamLoader(gs.FileSource(["memory://gs-test/bad.npy"]), batch_size=4) as ld:
+            with pytest.raises(gs.CorruptShard, match="bad.npy"):
+                list(ld)
+        np.save(tmp_path / "local.npy", np.arange(4))
+        with gs.StreamLoader(gs.FileSource(f"file://{tmp_path}/*.npy"), batch_size=4) as ld:
+            assert len(ld) == 1 and batch_ids(next(iter(ld))) == [0, 1, 2, 3]
+    finally:
+        fs.rm("/gs-test", recursive=True)
+    leftovers = [f for f in os.listdir(tempfile.gettempdir()) if f.startswith("gluon_stream_fetch_")]
+    assert not leftovers
