@@ -3,7 +3,6 @@ and shard generation on a dask.distributed cluster."""
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import subprocess
 import sys
