@@ -319,11 +319,6 @@ def test_shard_stream_skip_yields_only_the_good_shards():
     assert shards == [(0, 0), (2, 2), (4, 4)]
 
 
-_TIMEOUT_BUG = ("stream._EpochRun._poll catches concurrent.futures.TimeoutError, which is the "
-                "built-in TimeoutError since Python 3.11: a shard that failed with ShardTimeout "
-                "(or any TimeoutError) is taken for 'not ready yet' and polled forever")
-
-
 _TIMEOUTS_REACH_THE_USER = r"""
 import sys
 import numpy as np
@@ -372,10 +367,11 @@ print("ok")
 """
 
 
-@pytest.mark.xfail(reason=_TIMEOUT_BUG, strict=False)
 @pytest.mark.timeout(60)
 def test_timeout_errors_from_generators_and_transforms_reach_the_user(tmp_path):
-    """Run in a child process joined with a timeout: with the bug, the loader spins forever."""
+    """In a child process joined with a timeout: concurrent.futures.TimeoutError is the built-in
+    TimeoutError since Python 3.11, so a wait that caught it took a ShardTimeout (or a
+    transform's TimeoutError) for 'not ready yet' and spun forever."""
     code = _TIMEOUTS_REACH_THE_USER.format(tests=os.path.dirname(__file__),
                                            cache=str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
