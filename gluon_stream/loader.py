@@ -19,15 +19,19 @@ next epoch, Gluon's meaning).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
+import multiprocessing
+import signal
+import time
 import weakref
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from . import _compat
-from .errors import LoaderClosed
+from .errors import BatchTimeout, LoaderClosed, WorkerDied
 from .sources import Source
 from .stats import EpochRecord, ProgressBar, Stats
 from .stream import Shard, ShardStream, _EpochRun
@@ -434,13 +438,19 @@ class StreamLoader:
                 "shard_sizes= (samples after transform)")
         return min(sizes) // self.batch_size
 
-    def _shards(self, run: _EpochRun, record: EpochRecord) -> Iterator[Shard]:
+    def _shards(self, run: _EpochRun, record: EpochRecord) -> Iterator["Shard | _ShardFailed"]:
         """The epoch's shards; marks each boundary so ``_epoch`` can time the rotation."""
         clock = self.stats.clock
         first = True
         while True:
             t0 = clock()
-            shard = run.next_shard()
+            try:
+                shard = run.next_shard()
+            except LoaderClosed:
+                raise
+            except Exception as exc:  # the paths deliver what earlier shards left over first
+                yield _ShardFailed(exc)
+                return
             if shard is None:
                 return
             record.peak_prefetch = max(record.peak_prefetch, run.ready_ahead() + 1)
@@ -456,6 +466,8 @@ class StreamLoader:
                        record: EpochRecord, position: dict) -> Iterator[Any]:
         bs = self.batch_size
         for shard in self._shards(run, record):
+            if isinstance(shard, _ShardFailed):
+                yield from self._flush_before(shard.error, carry, _joined_batch, position)
             arrays = shard.arrays
             n = len(shard)
             pos, offset = offset, 0  # a resumed epoch starts its first shard at the offset
@@ -478,12 +490,21 @@ class StreamLoader:
                 carry.add(tuple(a[stop:n].copy() for a in arrays), _segment(shard, stop, n),
                           n - stop)
             del arrays
-        yield from self._finish_epoch(carry, lambda c: _as_batch(c.joined()), run, position)
+        yield from self._finish_epoch(carry, _joined_batch, run, position)
 
     def _dataloader_batches(self, run: _EpochRun, carry: _Carry | None, offset: int,
                             record: EpochRecord, position: dict) -> Iterator[Any]:
         bs = self.batch_size
+
+        def last(c: _Carry) -> Any:
+            dataset = _ShardDataset(c.samples(), (), self.sample_transform)
+            with contextlib.closing(self._run_dataloader(dataset, [list(range(len(dataset)))])
+                                    ) as out:
+                return next(out)
+
         for shard in self._shards(run, record):
+            if isinstance(shard, _ShardFailed):
+                yield from self._flush_before(shard.error, carry, last, position)
             pos, offset = offset, 0
             n = len(shard)
             held = len(carry) if carry is not None else 0
@@ -508,14 +529,15 @@ class StreamLoader:
                     _advance(position, shard, pos + end - held)
                     yield batch
             del dataset, shard
-
-        def last(c: _Carry) -> Any:
-            dataset = _ShardDataset(c.samples(), (), self.sample_transform)
-            with contextlib.closing(self._run_dataloader(dataset, [list(range(len(dataset)))])
-                                    ) as out:
-                return next(out)
-
         yield from self._finish_epoch(carry, last, run, position)
+
+    def _flush_before(self, error: BaseException, carry: _Carry | None,
+                      as_batch: Callable[[Any], Any], position: dict) -> Iterator[Any]:
+        """A shard failed: deliver the samples earlier shards left over, then raise its error."""
+        if carry is not None and len(carry) and self.last_batch != "discard":
+            position["carry"] = []
+            yield as_batch(carry)
+        raise error
 
     def _finish_epoch(self, carry: _Carry | None, as_batch: Callable[[Any], Any],
                       run: _EpochRun, position: dict) -> Iterator[Any]:
@@ -547,8 +569,6 @@ class StreamLoader:
 
     def _run_dataloader(self, dataset: _ShardDataset, batches: list, key: Any = None
                         ) -> Iterator[Any]:
-        from .errors import WorkerDied
-
         batchify = self._batchify()
         if self._shares_dataloader:
             self._ensure_shared_dataloader()
@@ -617,6 +637,17 @@ def _advance(position: dict, shard: Shard, offset: int) -> None:
         position.update(shard=shard.index, offset=offset, carry=[])
 
 
+class _ShardFailed:
+    """Stands in the shard sequence for a shard whose production failed."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _joined_batch(carry: _Carry) -> Any:
+    return _as_batch(carry.joined())
+
+
 def _as_batch(arrays: tuple) -> Any:
     return arrays[0] if len(arrays) == 1 else list(arrays)
 
@@ -644,11 +675,6 @@ def _pool_batches(dataloader: Any, batches: list, timeout: float, key: Any, *, f
                   total: int) -> Iterator[Any]:
     """Yield a process-pool DataLoader's batches in order, as MXNet's iterator would, but
     sleeping in short slices that check whether a worker died and whether ``timeout`` passed."""
-    import collections
-    import time
-
-    from .errors import BatchTimeout, LoaderClosed
-
     known: dict = {}
     _compat.dead_workers(dataloader, known)  # remember the workers forked for this shard
     pending: collections.deque = collections.deque()
@@ -702,10 +728,6 @@ def _pool_batches(dataloader: Any, batches: list, timeout: float, key: Any, *, f
 
 
 def _worker_died(dead: list, key: Any, index: int, total: int) -> Exception:
-    import signal
-
-    from .errors import WorkerDied
-
     pid, code = dead[0]
     if code < 0:
         try:
@@ -724,10 +746,6 @@ def _worker_died(dead: list, key: Any, index: int, total: int) -> Exception:
 
 def _thread_batches(dataloader: Any, timeout: float, key: Any, total: int) -> Iterator[Any]:
     """A thread-pool or in-process DataLoader's batches, its timeout raised as BatchTimeout."""
-    import multiprocessing
-
-    from .errors import BatchTimeout
-
     batches = iter(dataloader)
     try:
         index = 0

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from .distributed import resolve_parts
-from .errors import LoaderClosed, SchemaMismatch
+from .errors import CorruptShard, LoaderClosed, SchemaMismatch, UnsafeShard
 from .shardfile import normalize_arrays
 from .sources import RawShard, Source
 from .stats import ShardRecord, Stats
@@ -360,6 +360,13 @@ class ShardStream:
         self.close()
 
 
+def _permanent(exc: BaseException) -> bool:
+    """Failures that producing the shard again cannot fix: not worth a retry."""
+    if isinstance(exc, (SchemaMismatch, UnsafeShard)) or getattr(exc, "disk_full", False):
+        return True
+    return isinstance(exc, ValueError) and not isinstance(exc, CorruptShard)  # e.g. a bad key
+
+
 class _EpochRun:
     """One pass over an epoch's keys: a window of futures, consumed in order."""
 
@@ -434,15 +441,18 @@ class _EpochRun:
             except (LoaderClosed, KeyboardInterrupt, cf.CancelledError):
                 raise
             except Exception as exc:
-                if stream.on_error == "retry" and attempts < stream._retries:
+                summary = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                if (stream.on_error == "retry" and attempts < stream._retries
+                        and not _permanent(exc)):
                     attempts += 1
-                    logger.warning("shard %r failed (%s: %s); retry %d/%d", key,
-                                   type(exc).__name__, exc, attempts, stream._retries)
+                    logger.warning("shard %r failed (%s); retry %d/%d", key, summary, attempts,
+                                   stream._retries)
+                    logger.debug("shard %r failure in full: %s", key, exc)
                     fut = self._submit(key, index)
                     continue
                 if stream.on_error == "skip":
-                    logger.warning("skipping shard %r (epoch %d): %s: %s", key, self.epoch,
-                                   type(exc).__name__, exc)
+                    logger.warning("skipping shard %r (epoch %d): %s", key, self.epoch, summary)
+                    logger.debug("shard %r failure in full: %s", key, exc)
                     self.skipped += 1
                     stream.stats.add_shard(ShardRecord(key, self.epoch,
                                                        error=f"{type(exc).__name__}: {exc}"))

@@ -371,3 +371,32 @@ def test_close_does_not_wait_forever_for_a_stuck_python_fn(caplog):
     assert not gate.release[1].is_set()
     assert "still running" in caplog.text
     gate.release[1].set()  # let the thread finish so the leak check sees it gone
+
+
+@pytest.mark.parametrize("path", ["vectorised", "dataloader"])
+def test_samples_carried_from_earlier_shards_come_before_a_shard_error(path):
+    def fn(key):
+        if key == 2:
+            raise RuntimeError("no data for shard 2")
+        return id_shards([6, 1, 4])(key)
+
+    with gs.StreamLoader(gs.FunctionSource(range(3), fn), batch_size=4, **PATHS[path]) as ld:
+        ids = []
+        with pytest.raises(gs.ShardError, match="no data for shard 2"):
+            for batch in ld:
+                ids.append(batch_ids(batch))
+    assert ids == [[0, 1, 2, 3], [4, 5, 1000]]  # the carried 3 samples as a short batch
+
+
+def test_retry_policy_does_not_retry_what_cannot_succeed():
+    calls = collections.Counter()
+
+    def fn(key):
+        calls[key] += 1
+        return np.zeros((4, 3 if key == 1 else 2), np.float32)  # shard 1 has another shape
+
+    src = gs.FunctionSource(lambda epoch: [10 * epoch, 10 * epoch + 1], fn)  # own keys per epoch
+    with gs.StreamLoader(src, batch_size=4, on_error=("retry", 3)) as loader:
+        with pytest.raises(gs.SchemaMismatch, match="shard 1"):
+            list(loader)
+    assert calls[1] == 1

@@ -270,9 +270,9 @@ def test_a_prefetch_failure_surfaces_after_the_whole_previous_shard(tmp_path):
             for batch in batches:
                 ids.extend(batch_ids(batch))
         del batches
-    # ...yet both full batches of shard 0 came first (its last 2 samples wait for the next
-    # shard's first batch, which never comes: the error surfaces at the boundary instead)
-    assert ids == list(range(8))
+    # ...yet every sample of shard 0 came first: its two full batches, then the 2 samples that
+    # waited for the next shard's first batch, as a short batch; the error comes after them
+    assert ids == list(range(10))
     assert isinstance(info.value.__cause__, RuntimeError)
 
 
