@@ -69,6 +69,26 @@ def leak_check(request):
     assert not found, f"resources leaked by {request.node.name}: {found}"
 
 
+JOIN_S = 30  # upper bound on joining a helper thread or process; never reached when all is well
+
+
+def wait_for(predicate, timeout=20.0, what="condition"):
+    """Poll an event-like predicate (a file appearing, a process dying) with an upper bound."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def dead(pid: int) -> bool:
+    """True once a process has exited (gone, or a zombie not yet reaped)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def id_shards(sizes, start=0):
     """A FunctionSource fn whose shard k holds ids 1000*k .. 1000*k+sizes[k]-1 (and a float copy)."""
     def fn(key):

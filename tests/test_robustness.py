@@ -23,12 +23,11 @@ import psutil
 import pytest
 
 import gluon_stream as gs
-from conftest import _snapshot, batch_ids, id_shards, leaks
+from conftest import JOIN_S, _snapshot, batch_ids, dead, id_shards, leaks, wait_for
 from fake_generator import command, read_lines
 
 BATCHIFY = mx.gluon.data.dataloader.default_batchify_fn
 PROCESS_POOL = {"num_workers": 2, "thread_pool": False, "batchify_fn": BATCHIFY}
-JOIN_S = 30
 
 
 def all_ids(sizes):
@@ -43,21 +42,6 @@ def delivered(loader, limit=None):
         if limit is not None and i + 1 == limit:
             break
     return ids
-
-
-def wait_for(predicate, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
-def dead(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def pool_workers() -> list[psutil.Process]:
@@ -566,7 +550,7 @@ def test_jupyter_style_interrupts_20_times_leak_nothing(path, record_property):
                 figures.append((i + 1, _flat_snapshot()))
             if i == 0:  # the loader's own producer thread exists from the first pass on
                 before = _snapshot()
-        batch = None  # the last batch holds shared-memory fds
+        batch = None  # noqa: F841  (the last batch holds shared-memory fds)
         ids = delivered(loader) if path == "process-pool" else None
         found = leaks(before)
     gc.collect()

@@ -19,27 +19,9 @@ import psutil
 import pytest
 
 import gluon_stream as gs
+from conftest import JOIN_S, dead, wait_for
 from fake_generator import command, read_lines, shard_values
-from gluon_stream import shardfile, sources
-
-JOIN_S = 30  # upper bound on joining a helper thread or process; never reached when all is well
-
-
-def wait_for(predicate, timeout=20.0, what="condition"):
-    """Poll an event-like predicate (a file appearing, a process dying) with an upper bound."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
-def dead(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
+from gluon_stream import sources
 
 def hidden_files(directory) -> list[str]:
     """Temp and lock files (dot files) left in a cache directory."""
