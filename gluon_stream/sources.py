@@ -313,15 +313,127 @@ class _ShardCache:
                 raise UnsafeShard(f"shard {name!r}: the generator left a symlink at {tmp!r}; "
                                   "gluon_stream does not follow links in its cache. Write the "
                                   "shard itself to the '{path}' argument", path=tmp)
-            final = self.path_for(name, os.path.splitext(tmp)[1])
-            os.replace(tmp, final)
-            return final, False
+            return self._publish(tmp, name), False
         finally:
             _unlink_missing_ok(lock.lock_file)  # while held: late waiters see the finished file
             lock.release()
 
+    def _publish(self, tmp: str, name: str) -> str:
+        """Move a finished, validated temp file into place; readers see all of it or nothing."""
+        final = self.path_for(name, os.path.splitext(tmp)[1])
+        os.replace(tmp, final)
+        return final
+
+    def num_samples(self, name: str) -> int | None:
+        path = self.lookup(name)
+        return None if path is None else inspect_shard(path)[0].shape[0]
+
     def evict(self, path: str) -> None:
         _unlink_missing_ok(path)
+
+
+class _RemoteShardCache(_ShardCache):
+    """A ``cache_dir`` on an fsspec filesystem (``s3://``, ``gcs://``, ``memory://``).
+
+    Shards are generated into a temp file on this host (``root``, a directory per cache URL
+    shared by this host's processes, holding temp and lock files), validated, then uploaded:
+    an object appears whole, so no reader sees part of a shard. The per-key lock keeps one
+    process per host generating a key; hosts may make the same shard twice (same result).
+    Object stores have no file locks: eviction cannot see readers elsewhere, and a reader whose
+    shard vanished makes it again.
+    """
+
+    def __init__(self, url: str, lock_timeout: float, closed: threading.Event | None = None,
+                 limit: int | str | None = None) -> None:
+        import hashlib
+
+        self.fs, path = _fsspec().core.url_to_fs(url)
+        self.remote_root = path.rstrip("/")
+        self.fs.makedirs(self.remote_root, exist_ok=True)
+        digest = hashlib.sha1(url.encode("utf-8")).hexdigest()[:16]
+        local = os.path.join(tempfile.gettempdir(), "gluon_stream_cache", digest)
+        super().__init__(local, lock_timeout, closed, limit)
+
+    def _remote(self, name: str, suffix: str) -> str:
+        return f"{self.remote_root}/{name}{suffix}"
+
+    def lookup(self, name: str) -> str | None:
+        for suffix in self.SUFFIXES:
+            if self.fs.exists(self._remote(name, suffix)):
+                return self._remote(name, suffix)
+        return None
+
+    def _publish(self, tmp: str, name: str) -> str:
+        final = self._remote(name, os.path.splitext(tmp)[1])
+        try:
+            self.fs.put_file(tmp, final)
+        finally:
+            _unlink_missing_ok(tmp)
+        return final
+
+    @contextlib.contextmanager
+    def reading(self, path: str) -> Any:
+        """Download the shard to a private temp file for validation; removed afterwards."""
+        fd, local = tempfile.mkstemp(prefix=".fetch.", suffix=f"{TEMP_MARKER}.npy", dir=self.root)
+        os.close(fd)
+        try:
+            self.fs.get_file(path, local)
+            with contextlib.suppress(NotImplementedError, OSError, ValueError):
+                self.fs.touch(path, truncate=False)  # least recently used goes first, if it can
+            yield local
+        finally:
+            _unlink_missing_ok(local)
+
+    def num_samples(self, name: str) -> int | None:
+        return None  # known after the first pass, without downloading every shard twice
+
+    def enforce_limit(self, keep: str) -> None:
+        if self.max_shards is None and self.max_bytes is None:
+            return
+        lock = self.lock(".evict")
+        with lock:
+            shards = []
+            for info in self.fs.ls(self.remote_root, detail=True):
+                name = info["name"].rstrip("/").rsplit("/", 1)[-1]
+                if info.get("type") == "file" and name.endswith(self.SUFFIXES):
+                    shards.append((_stamp(info), info["name"], int(info.get("size") or 0)))
+            shards.sort()
+            count, total = len(shards), sum(size for _, _, size in shards)
+            for _, path, size in shards:
+                if not self._over(count, total):
+                    break
+                if path.rstrip("/").endswith(keep.rstrip("/").rsplit("/", 1)[-1]):
+                    continue
+                self.evict(path)
+                count, total = count - 1, total - size
+                logger.info("cache_limit: evicted %s", path)
+            _unlink_missing_ok(lock.lock_file)
+
+    def evict(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(path)
+
+
+def _stamp(info: dict) -> float:
+    """Modification time of an fsspec listing entry, as seconds (backends name it differently)."""
+    for field in ("LastModified", "mtime", "created", "updated"):
+        value = info.get(field)
+        if value is None:
+            continue
+        if hasattr(value, "timestamp"):
+            return float(value.timestamp())
+        with contextlib.suppress(TypeError, ValueError):
+            return float(value)
+    return 0.0
+
+
+def _make_cache(cache_dir: str | os.PathLike, lock_timeout: float, closed: threading.Event,
+                limit: int | str | None) -> _ShardCache:
+    """A local cache directory, or an fsspec URL (``file://`` is a local directory)."""
+    where = _local_or_url(os.fspath(cache_dir))
+    if _is_url(where):
+        return _RemoteShardCache(where, lock_timeout, closed, limit)
+    return _ShardCache(where, lock_timeout, closed, limit)
 
 
 def _evict_if_unread(path: str) -> bool:
@@ -364,7 +476,7 @@ class _CachingSource(Source):
         super().__init__(keys)
         if cache_limit is not None and cache_dir is None:
             raise ValueError("cache_limit needs a cache_dir")
-        self._cache = (_ShardCache(cache_dir, lock_timeout, self._closed, cache_limit)
+        self._cache = (_make_cache(cache_dir, lock_timeout, self._closed, cache_limit)
                        if cache_dir is not None else None)
         self._mmap = mmap
 
@@ -424,10 +536,7 @@ class _CachingSource(Source):
     def num_samples(self, key: Any, epoch: int) -> int | None:
         if self._cache is None:
             return None
-        path = self._cache.lookup(self._shard_name(key, epoch))
-        if path is None:
-            return None
-        return inspect_shard(path)[0].shape[0]
+        return self._cache.num_samples(self._shard_name(key, epoch))
 
     def _load_cached(self, key: Any, epoch: int,
                      ensure: Callable[[Any, int], tuple[str, bool, float]]) -> RawShard:
@@ -439,8 +548,8 @@ class _CachingSource(Source):
             generate_s += seconds
             t1 = time.perf_counter()
             try:
-                with self._cache.reading(path):
-                    arrays = load_shard(path, mmap=self._mmap)
+                with self._cache.reading(path) as local:
+                    arrays = load_shard(local, mmap=self._mmap)
             except FileNotFoundError:
                 logger.info("shard %r was evicted before it could be read; making it again", key)
                 continue

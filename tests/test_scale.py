@@ -164,3 +164,34 @@ def test_file_source_reads_fsspec_urls(tmp_path):
         fs.rm("/gs-test", recursive=True)
     leftovers = [f for f in os.listdir(tempfile.gettempdir()) if f.startswith("gluon_stream_fetch_")]
     assert not leftovers
+
+
+def test_cache_dir_on_an_fsspec_filesystem(tmp_path):
+    fsspec = pytest.importorskip("fsspec")
+    fs = fsspec.filesystem("memory")
+    calls = []
+
+    def fn(key):
+        calls.append(key)
+        return np.arange(4, dtype=np.int64) + 1000 * int(key.split("-")[1])
+
+    try:
+        for _ in range(2):
+            src = gs.FunctionSource([f"k-{i}" for i in range(3)], fn, cache_dir="memory://gs-cache")
+            with gs.StreamLoader(src, batch_size=4) as loader:
+                assert [batch_ids(b) for b in loader] == [
+                    [1000 * k + i for i in range(4)] for k in range(3)]
+        assert calls == ["k-0", "k-1", "k-2"]  # the second pass read the uploaded shards
+        assert sorted(p.rsplit("/", 1)[1] for p in fs.ls("/gs-cache", detail=False)) == [
+            "k-0.npy", "k-1.npy", "k-2.npy"]
+        keys = [f"k-{i}" for i in range(3, 12)]
+        src = gs.FunctionSource(keys, fn, cache_dir="memory://gs-cache", cache_limit=4)
+        with gs.StreamLoader(src, batch_size=4) as loader:
+            assert sum(1 for _ in loader) == 9
+        assert len(fs.ls("/gs-cache", detail=False)) <= 4
+        fs.pipe("/gs-cache/k-20.npy", b"\x93NUMPY broken")  # a damaged object is made again
+        src = gs.FunctionSource(["k-20"], fn, cache_dir="memory://gs-cache")
+        with gs.StreamLoader(src, batch_size=4) as loader:
+            assert [batch_ids(b) for b in loader] == [[20000, 20001, 20002, 20003]]
+    finally:
+        fs.rm("/gs-cache", recursive=True)
