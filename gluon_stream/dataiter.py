@@ -23,6 +23,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from . import _compat
+from ._closing import Closing
 from .loader import StreamLoader
 
 __all__ = ["StreamIter"]
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_LAYOUTS = {1: "N", 2: "NC", 3: "NTC", 4: "NCHW", 5: "NCDHW"}
 
 
-class StreamIter(_compat.DataIterBase):
+class StreamIter(_compat.DataIterBase, Closing):
     """An ``mx.io.DataIter`` over a StreamLoader, for ``mx.mod.Module`` and other legacy code.
 
     The loader's batches hold its arrays in order (data first, then labels); the first
@@ -176,12 +177,6 @@ class StreamIter(_compat.DataIterBase):
     def close(self) -> None:
         """End the current pass (cancels its producers). The loader stays open; idempotent."""
         self._end_pass()
-
-    def __enter__(self) -> "StreamIter":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     # -- internals ---------------------------------------------------------------------------
     def _current_part(self, i: int) -> Any:

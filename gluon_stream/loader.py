@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from . import _compat
+from ._closing import Closing
 from .errors import BatchTimeout, LoaderClosed, WorkerDied
 from .sources import Source
 from .stats import EpochRecord, ProgressBar, Stats
@@ -140,7 +141,7 @@ class _LoaderResources:
             self.stream.close()
 
 
-class StreamLoader:
+class StreamLoader(Closing):
     """Iterate full, shuffled batches over shards produced on demand.
 
     Args:
@@ -359,12 +360,6 @@ class StreamLoader:
     def close(self) -> None:
         """Stop producers, end worker pools, kill generators, remove temp files; idempotent."""
         self._finalizer()
-
-    def __enter__(self) -> "StreamLoader":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     # -- one epoch ------------------------------------------------------------------------
     def _check_open(self) -> None:

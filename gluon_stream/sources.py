@@ -27,10 +27,25 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence, Union
 
 import numpy as np
-from filelock import FileLock, Timeout as LockTimeout
+from filelock import FileLock
+from filelock import Timeout as LockTimeout
 
-from .errors import CorruptShard, LoaderClosed, ShardError, ShardTimeout, StreamError, UnsafeShard
-from .shardfile import TEMP_MARKER, inspect_shard, load_shard, normalize_arrays, write_shard
+from ._closing import Closing
+from .errors import (
+    CorruptShard,
+    LoaderClosed,
+    ShardError,
+    ShardTimeout,
+    StreamError,
+    UnsafeShard,
+)
+from .shardfile import (
+    TEMP_MARKER,
+    inspect_shard,
+    load_shard,
+    normalize_arrays,
+    write_shard,
+)
 
 __all__ = ["CommandSource", "FileSource", "FunctionSource", "RawShard", "Source", "validate_key"]
 
@@ -104,7 +119,7 @@ def _is_iterator(obj: Any) -> bool:
     return iter(obj) is obj
 
 
-class Source:
+class Source(Closing):
     """Base class: maps an epoch to its keys and a key to a :class:`RawShard`.
 
     Subclasses implement :meth:`produce`; they may override :meth:`num_samples` when
@@ -141,12 +156,6 @@ class Source:
     def close(self) -> None:
         """Stop running work; further use raises LoaderClosed. Idempotent."""
         self._closed.set()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 class _ShardCache:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from ._closing import Closing
 from .distributed import resolve_parts
 from .errors import CorruptShard, LoaderClosed, SchemaMismatch, UnsafeShard
 from .shardfile import normalize_arrays
@@ -106,7 +107,7 @@ class _Resources:
                                thread.name)
 
 
-class ShardStream:
+class ShardStream(Closing):
     """Iterate shards in order while the next ones are produced in the background.
 
     Args:
@@ -352,12 +353,6 @@ class ShardStream:
     def close(self) -> None:
         """Stop producers, kill running generators and release everything; idempotent."""
         self._finalizer()
-
-    def __enter__(self) -> "ShardStream":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 def _permanent(exc: BaseException) -> bool:
