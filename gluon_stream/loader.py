@@ -26,6 +26,7 @@ import multiprocessing
 import signal
 import time
 import weakref
+from concurrent.futures import Executor
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -161,7 +162,8 @@ class StreamLoader(Closing):
             unless set to False. Without ``batchify_fn``/``sample_transform`` batches are
             slices and no workers are needed.
         prefetch: Shards produced ahead of the one being consumed.
-        producers: Shards produced in parallel.
+        producers: Shards produced in parallel (threads), or a ``concurrent.futures.Executor``
+            (e.g. a dask client's) that generates them into a shared ``cache_dir``.
         on_error: ``'raise'``, ``'skip'`` or ``('retry', n)`` per shard.
         schema: Expected ``[(dtype, trailing_shape), ...]``; default: the first shard's.
         stats: A :class:`Stats` to record into (default: a new one, ``loader.stats``).
@@ -191,7 +193,7 @@ class StreamLoader(Closing):
                  num_workers: int = 0, thread_pool: bool | None = None,
                  batchify_fn: Callable[[list], Any] | None = None, pin_memory: bool = False,
                  pin_device_id: int = 0, timeout: float = 120, prefetch: int = 2,
-                 producers: int = 1, on_error: Any = "raise",
+                 producers: int | Executor = 1, on_error: Any = "raise",
                  schema: Sequence[tuple[Any, Sequence[int]]] | None = None,
                  stats: Stats | None = None, progress: bool = False,
                  num_parts: int | str = 1, part_index: int | str = 0, kvstore: Any = None,
