@@ -73,8 +73,16 @@ def to_ndarray(array: np.ndarray, ctx: Any, order: np.ndarray | None = None) -> 
 
 
 def concat(parts: Sequence[Any]) -> Any:
-    """Join NDArrays along the sample axis."""
-    return parts[0] if len(parts) == 1 else nd.concat(*parts, dim=0)
+    """Join NDArrays along the sample axis, in the first part's context.
+
+    ``nd.concat`` of ``cpu_pinned`` inputs returns a ``cpu`` array: pinned batches stay pinned.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    rows = sum(int(p.shape[0]) for p in parts)
+    out = nd.empty((rows,) + tuple(first.shape[1:]), ctx=first.context, dtype=first.dtype)
+    return nd.concat(*parts, dim=0, out=out)
 
 
 def default_batchify_fn() -> Any:

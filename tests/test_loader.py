@@ -400,3 +400,13 @@ def test_retry_policy_does_not_retry_what_cannot_succeed():
         with pytest.raises(gs.SchemaMismatch, match="shard 1"):
             list(loader)
     assert calls[1] == 1
+
+
+@pytest.mark.parametrize("path", ["vectorised", "dataloader"])
+def test_pin_memory_puts_batches_in_pinned_host_memory(path):
+    # on the CPU build of MXNet cpu_pinned is plain host memory, but the context is the same one
+    # the GPU build (mxnet-cu112) copies from without staging
+    with make_loader([6, 6], pin_memory=True, **PATHS[path]) as loader:
+        batches = list(loader)
+    assert {str(a.context) for b in batches for a in b} == {"cpu_pinned(0)"}
+    assert sorted(i for b in batches for i in batch_ids(b)) == all_ids([6, 6])
