@@ -41,8 +41,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--inputs", type=positive_int, default=8, help="input columns (default 8)")
     parser.add_argument("--time-steps", type=positive_int, default=16,
                         help="window length (default 16)")
-    parser.add_argument("--delay", type=non_negative_float, default=0.3,
-                        help="generator seconds per shard (default 0.3)")
+    parser.add_argument("--delay", type=non_negative_float, default=0.1,
+                        help="generator seconds per shard (default 0.1)")
     parser.add_argument("--epochs", type=positive_int, default=2, help="default 2")
     parser.add_argument("--batch-size", type=positive_int, default=128, help="default 128")
     parser.add_argument("--prefetch", type=int, default=2, help="shards ahead (default 2)")
@@ -59,14 +59,18 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run_demo)
 
 
-def small_regressor(optimizer: str = "adam", learning_rate: float = 1e-3
-                    ) -> Callable[[Any, Any], Any]:
-    """A small Gluon MLP regressor; returns ``train_step(data, label) -> loss`` (one update)."""
+def small_regressor(optimizer: str = "adam", learning_rate: float = 1e-3,
+                    lstm_hidden: int | None = None) -> Callable[[Any, Any], Any]:
+    """A small Gluon regressor (an MLP, or an LSTM over the windows' time steps);
+    returns ``train_step(data, label) -> loss`` (one update)."""
     mx = _compat.require_mxnet()
     from mxnet import autograd, gluon
 
     net = gluon.nn.HybridSequential()
-    net.add(gluon.nn.Dense(64, activation="relu"), gluon.nn.Dense(1))
+    if lstm_hidden:
+        net.add(gluon.rnn.LSTM(lstm_hidden, layout="NTC"), gluon.nn.Dense(1))
+    else:
+        net.add(gluon.nn.Dense(64, activation="relu"), gluon.nn.Dense(1))
     net.initialize(mx.init.Xavier())
     net.hybridize()
     trainer = gluon.Trainer(net.collect_params(), optimizer, {"learning_rate": learning_rate})
@@ -95,7 +99,7 @@ def run_demo(args: argparse.Namespace) -> int:
         cache_dir = args.cache_dir or tmp
         source = CommandSource(keys, generator_command(args.rows, args.inputs, args.delay),
                                cache_dir=cache_dir, timeout=120, retries=1)
-        train_step = small_regressor("adam")
+        train_step = small_regressor("adam", lstm_hidden=64)
         with StreamLoader(source, batch_size=args.batch_size, shuffle=True, seed=0,
                           transform=lambda raw: make_windows(raw, args.time_steps),
                           prefetch=args.prefetch, producers=args.producers,
