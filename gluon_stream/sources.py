@@ -382,16 +382,15 @@ class _RemoteShardCache(_ShardCache):
 
     @contextlib.contextmanager
     def reading(self, path: str) -> Any:
-        """Download the shard to a private temp file for validation; removed afterwards."""
-        fd, local = tempfile.mkstemp(prefix=".fetch.", suffix=f"{TEMP_MARKER}.npy", dir=self.root)
-        os.close(fd)
-        try:
-            self.fs.get_file(path, local)
+        """Download the shard to a private temp file for validation; removed afterwards.
+
+        The copy's name carries this pid, so another process's stale-temp cleanup spares it.
+        """
+        shown = self.fs.unstrip_protocol(path)
+        with _downloaded(self.fs, path, shown, self.root, f".fetch.{os.getpid()}.") as local:
             with contextlib.suppress(NotImplementedError, OSError, ValueError):
                 self.fs.touch(path, truncate=False)  # least recently used goes first, if it can
             yield local
-        finally:
-            _unlink_missing_ok(local)
 
     def num_samples(self, name: str) -> int | None:
         return None  # known after the first pass, without downloading every shard twice
@@ -928,21 +927,34 @@ def _glob_urls(pattern: str) -> list[str]:
 
 @contextlib.contextmanager
 def _fetched(url: str) -> Any:
-    """Copy a remote shard to a private temporary file for validation; removed afterwards."""
+    """A remote shard (a FileSource key) as a private local copy; a missing one is corrupt."""
     fs, path = _fsspec().core.url_to_fs(url)
-    fd, local = tempfile.mkstemp(prefix="gluon_stream_fetch_", suffix=os.path.splitext(path)[1])
+    try:
+        with _downloaded(fs, path, url) as local:
+            yield local
+    except FileNotFoundError as exc:
+        raise CorruptShard(f"shard {url!r} does not exist", path=url,
+                           reason="file does not exist") from exc
+
+
+@contextlib.contextmanager
+def _downloaded(fs: Any, path: str, shown: str, directory: str | None = None,
+                prefix: str = "gluon_stream_fetch_") -> Any:
+    """Copy a remote shard to a private temp file to validate and load it; removed afterwards.
+
+    Errors about the copy name ``shown`` (the shard's URL), not the copy; a missing remote
+    file raises FileNotFoundError.
+    """
+    fd, local = tempfile.mkstemp(prefix=prefix, suffix=f"{TEMP_MARKER}{os.path.splitext(path)[1]}",
+                                 dir=directory)
     os.close(fd)
     try:
-        try:
-            fs.get_file(path, local)
-        except FileNotFoundError as exc:
-            raise CorruptShard(f"shard {url!r} does not exist", path=url,
-                               reason="file does not exist") from exc
+        fs.get_file(path, local)
         try:
             yield local
         except (CorruptShard, UnsafeShard) as exc:  # name the shard, not the private copy
-            exc.args = (str(exc).replace(local, url),)
-            exc.path = url
+            exc.args = (str(exc).replace(local, shown),)
+            exc.path = shown
             raise
     finally:
         _unlink_missing_ok(local)
