@@ -211,26 +211,33 @@ class _ShardCache:
         """
         if self.max_shards is None and self.max_bytes is None:
             return
-        lock = FileLock(os.path.join(self.root, ".cache-evict.lock"), timeout=self.lock_timeout)
+        lock = self.lock("cache-evict")
         with lock:
-            shards = []
-            for entry in os.scandir(self.root):
-                if entry.name.startswith(".") or not entry.name.endswith(self.SUFFIXES):
-                    continue
-                with contextlib.suppress(FileNotFoundError):
-                    info = entry.stat(follow_symlinks=False)
-                    shards.append((info.st_mtime, entry.path, info.st_size))
-            shards.sort()
+            shards = sorted(self._listing())
             count, total = len(shards), sum(size for _, _, size in shards)
             for _, path, size in shards:
                 if not self._over(count, total):
                     break
-                if path == keep or not _evict_if_unread(path):
+                if path.rstrip("/") == keep.rstrip("/") or not self._try_evict(path):
                     continue
                 count, total = count - 1, total - size
                 logger.info("cache_limit: evicted %s (%d shards, %d bytes left)", path, count,
                             total)
             _unlink_missing_ok(lock.lock_file)
+
+    def _listing(self) -> list[tuple[float, str, int]]:
+        """(last used, path, bytes) of every finished shard."""
+        shards = []
+        for entry in os.scandir(self.root):
+            if entry.name.startswith(".") or not entry.name.endswith(self.SUFFIXES):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                info = entry.stat(follow_symlinks=False)
+                shards.append((info.st_mtime, entry.path, info.st_size))
+        return shards
+
+    def _try_evict(self, path: str) -> bool:
+        return _evict_if_unread(path)
 
     def _over(self, count: int, total: int) -> bool:
         return ((self.max_shards is not None and count > self.max_shards)
@@ -395,27 +402,17 @@ class _RemoteShardCache(_ShardCache):
     def num_samples(self, name: str) -> int | None:
         return None  # known after the first pass, without downloading every shard twice
 
-    def enforce_limit(self, keep: str) -> None:
-        if self.max_shards is None and self.max_bytes is None:
-            return
-        lock = self.lock(".evict")
-        with lock:
-            shards = []
-            for info in self.fs.ls(self.remote_root, detail=True):
-                name = info["name"].rstrip("/").rsplit("/", 1)[-1]
-                if info.get("type") == "file" and name.endswith(self.SUFFIXES):
-                    shards.append((_stamp(info), info["name"], int(info.get("size") or 0)))
-            shards.sort()
-            count, total = len(shards), sum(size for _, _, size in shards)
-            for _, path, size in shards:
-                if not self._over(count, total):
-                    break
-                if path.rstrip("/").endswith(keep.rstrip("/").rsplit("/", 1)[-1]):
-                    continue
-                self.evict(path)
-                count, total = count - 1, total - size
-                logger.info("cache_limit: evicted %s", path)
-            _unlink_missing_ok(lock.lock_file)
+    def _listing(self) -> list[tuple[float, str, int]]:
+        shards = []
+        for info in self.fs.ls(self.remote_root, detail=True):
+            name = info["name"].rstrip("/").rsplit("/", 1)[-1]
+            if info.get("type") == "file" and name.endswith(self.SUFFIXES):
+                shards.append((_stamp(info), info["name"], int(info.get("size") or 0)))
+        return shards
+
+    def _try_evict(self, path: str) -> bool:
+        self.evict(path)  # no file locks on an object store: readers elsewhere are not seen
+        return True
 
     def evict(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
