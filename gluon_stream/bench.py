@@ -44,7 +44,6 @@ import os
 import resource
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -790,6 +789,8 @@ def _csv(value: str) -> list[str]:
 
 def register(subparsers: Any) -> None:
     """Add the ``bench`` subcommand to the CLI's subparsers."""
+    from .cli import positive_int
+
     parser = subparsers.add_parser(
         "bench", help="benchmark gluon_stream against MXNet's own ways, interleaved",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -798,13 +799,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--contenders", type=_csv, default=None,
                         help="comma-separated subset (naive and ndarrayiter always run: "
                              "they are the references)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians)")
-    parser.add_argument("--shards", type=int, default=6)
+    parser.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds (medians)")
+    parser.add_argument("--shards", type=positive_int, default=6)
     parser.add_argument("--rows", type=int, default=2576,
                         help="raw rows per shard (samples = rows - time steps)")
-    parser.add_argument("--inputs", type=int, default=8, help="input columns of the series")
-    parser.add_argument("--time-steps", type=int, default=16, help="window length")
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--inputs", type=positive_int, default=8, help="input columns of the series")
+    parser.add_argument("--time-steps", type=positive_int, default=16, help="window length")
+    parser.add_argument("--batch-size", type=positive_int, default=64)
     parser.add_argument("--step", choices=("sleep", "cpu"), default="sleep",
                         help="training step: sleep (an accelerator) or a small Gluon net")
     parser.add_argument("--step-ms", type=float, default=8.0, help="sleep per batch (ms)")
@@ -812,14 +813,14 @@ def register(subparsers: Any) -> None:
                         help="generator seconds per shard for every scenario (default: set per "
                              "scenario from the generation/training ratio)")
     parser.add_argument("--num-workers", type=int, default=2)
-    parser.add_argument("--producers", type=int, default=2)
+    parser.add_argument("--producers", type=positive_int, default=2)
     parser.add_argument("--prefetch", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--throughput-samples", type=int, default=20000,
+    parser.add_argument("--throughput-samples", type=positive_int, default=20000,
                         help="samples of the 30x16 throughput array (the 8-float one gets 5x)")
-    parser.add_argument("--throughput-batch-size", type=int, default=256)
+    parser.add_argument("--throughput-batch-size", type=positive_int, default=256)
     parser.add_argument("--memory-rows", type=int, default=20000, help="raw rows per shard")
-    parser.add_argument("--memory-epochs", type=int, default=50)
+    parser.add_argument("--memory-epochs", type=positive_int, default=50)
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="skip the untimed warm-up pass")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the raw figures here")
@@ -827,30 +828,25 @@ def register(subparsers: Any) -> None:
 
 
 def _validate(args: argparse.Namespace) -> None:
+    """Checks argparse types cannot make (counts are positive_int already)."""
+    from .cli import UsageError
+
     unknown = set(args.scenarios) - set(SCENARIOS)
     if unknown:
-        raise ValueError(f"--scenarios: unknown {sorted(unknown)}; choose from {SCENARIOS}")
+        raise UsageError(f"--scenarios: unknown {sorted(unknown)}; choose from {SCENARIOS}")
     if args.contenders is not None:
         unknown = set(args.contenders) - set(PIPELINE_CONTENDERS) - set(THROUGHPUT_CONTENDERS)
         if unknown:
-            raise ValueError(f"--contenders: unknown {sorted(unknown)}; choose from "
+            raise UsageError(f"--contenders: unknown {sorted(unknown)}; choose from "
                              f"{PIPELINE_CONTENDERS + THROUGHPUT_CONTENDERS}")
-    for name in ("rounds", "shards", "batch_size", "producers", "throughput_samples",
-                 "throughput_batch_size", "memory_epochs", "inputs", "time_steps"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.rows <= args.time_steps:
-        raise ValueError(f"--rows must exceed --time-steps ({args.time_steps}), got {args.rows}")
+        raise UsageError(f"--rows must exceed --time-steps ({args.time_steps}), got {args.rows}")
 
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run the chosen scenarios, print the tables, write ``--json``; returns 0."""
     _compat.require_mxnet()
-    try:
-        _validate(args)
-    except ValueError as exc:
-        print(f"gluon-stream: error: {exc}", file=sys.stderr)
-        return 2
+    _validate(args)  # a UsageError: cli.main prints it in one line, exit status 2
     base = Workload(shards=args.shards, rows=args.rows, inputs=args.inputs,
                     time_steps=args.time_steps, batch_size=args.batch_size, step=args.step,
                     step_ms=args.step_ms, num_workers=args.num_workers, producers=args.producers,
