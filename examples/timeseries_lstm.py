@@ -1,7 +1,7 @@
 """Train a Gluon LSTM on time-series shards generated per date by an external program.
 
 The motivating case of gluon_stream: for each date a generator program (here the built-in
-``gluon_stream.generator``, standing in for your C++ tool) writes a raw ``(rows, num_inputs)``
+``gluon_stream.tools.generator``, standing in for your C++ tool) writes a raw ``(rows, num_inputs)``
 ``.npy`` file. A transform, run in a background thread, cuts it into sliding windows
 ``(n, time_steps, num_inputs)`` and three labels (the next value of inputs 0 and 1, and
 whether input 0 goes up). An LSTM with one output per label trains on the batches while the next
@@ -23,7 +23,7 @@ import numpy as np
 from mxnet import autograd, gluon
 
 import gluon_stream as gs
-from gluon_stream.generator import generator_command
+from gluon_stream.tools.generator import generator_command
 
 
 def make_samples(raw: np.ndarray, time_steps: int):

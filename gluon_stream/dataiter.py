@@ -22,8 +22,8 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from . import _compat
 from ._closing import Closing
+from ._mx import data_iter_base, require_mxnet
 from .loader import StreamLoader
 
 __all__ = ["StreamIter"]
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_LAYOUTS = {1: "N", 2: "NC", 3: "NTC", 4: "NCHW", 5: "NCDHW"}
 
 
-class StreamIter(_compat.DataIterBase, Closing):
+class StreamIter(data_iter_base(), Closing):
     """An ``mx.io.DataIter`` over a StreamLoader, for ``mx.mod.Module`` and other legacy code.
 
     The loader's batches hold its arrays in order (data first, then labels); the first
@@ -64,7 +64,7 @@ class StreamIter(_compat.DataIterBase, Closing):
     def __init__(self, loader: Any, data_names: Sequence[str] = ("data",),
                  label_names: Sequence[str] = ("softmax_label",), *,
                  layouts: Mapping[str, str] | None = None) -> None:
-        mx = _compat.require_mxnet()
+        mx = require_mxnet()
         if not isinstance(loader, StreamLoader):
             raise TypeError(f"loader must be a gluon_stream.StreamLoader, got "
                             f"{type(loader).__name__}")

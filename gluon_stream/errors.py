@@ -27,6 +27,7 @@ __all__ = [
     "StreamError",
     "UnsafeShard",
     "WorkerDied",
+    "add_note",
 ]
 
 
@@ -116,3 +117,19 @@ class BatchTimeout(StreamError, TimeoutError):
 
 class LoaderClosed(StreamError, RuntimeError):
     """The loader, stream or source was used after ``close()``."""
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """Attach ``note`` to ``exc`` without changing its type (``BaseException.add_note``).
+
+    Python 3.11 shows notes under the traceback; on 3.9 and 3.10 the note is kept in
+    ``exc.__notes__`` the same way (tools such as pytest print it), never replacing the error.
+    """
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+        return
+    try:
+        notes = exc.__dict__.setdefault("__notes__", [])
+    except AttributeError:  # an exception type without a __dict__: keep it unchanged
+        return
+    notes.append(note)

@@ -1,6 +1,8 @@
 """StreamLoader: batches over a stream of shards, nothing lost or duplicated at shard boundaries.
 
-Two ways to turn a shard into batches, chosen automatically:
+The loader wires three parts together: a :class:`~gluon_stream.ShardStream` (shards produced
+ahead), the :class:`~gluon_stream.batching.BatchPlanner` (which samples form which batch, where
+a resume starts) and one of two ways to turn planned batches into data, chosen automatically:
 
 * **vectorised** (no ``batchify_fn``, no ``sample_transform``): the producer thread copies
   the (already shuffled) shard into one NDArray in the background; batches are contiguous
@@ -8,41 +10,215 @@ Two ways to turn a shard into batches, chosen automatically:
   and the batches are exactly those a ``gluon.data.DataLoader`` would build.
 * **DataLoader** (a ``batchify_fn`` or ``sample_transform`` is given): a
   ``gluon.data.DataLoader`` with the user's ``num_workers``/``thread_pool``/``pin_memory``
-  iterates each shard. With threads or no workers one DataLoader serves every shard (the
-  dataset it reads is swapped at each boundary); a process pool (``thread_pool=False``)
-  must be forked per shard and is ended explicitly when the shard is done.
-
-Either way, the samples left over at the end of a shard (fewer than ``batch_size``) start
-the next shard's first batch, so every batch of an epoch is full except possibly the last,
-which ``last_batch`` decides: ``'keep'``, ``'discard'`` or ``'rollover'`` (carried into the
-next epoch, Gluon's meaning).
+  iterates each shard's planned batches (see :mod:`gluon_stream._mx.dataloader`).
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
-import multiprocessing
-import signal
-import time
 import weakref
 from concurrent.futures import Executor
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from . import _compat
+from . import _validate
 from ._closing import Closing
-from .errors import BatchTimeout, LoaderClosed, WorkerDied
+from ._mx import arrays as mx_arrays
+from ._mx import dataloader as mx_dataloader
+from ._mx import require_mxnet
+from .batching import LAST_BATCH_MODES, Batch, BatchPlanner, Position, Segment, UnitPlan
+from .errors import LoaderClosed, WorkerDied
 from .sources import Source
-from .stats import EpochRecord, ProgressBar, Stats
-from .stream import Shard, ShardStream, _EpochRun
+from .stats import EpochRecord, Stats
+from .progress import ProgressBar
+from .stream import EpochRun, Shard, ShardStream
 
 __all__ = ["StreamLoader"]
 
 logger = logging.getLogger(__name__)
 
-LAST_BATCH_MODES = ("keep", "discard", "rollover")
+#: Options of the stream a loader builds; given together with a ShardStream they clash.
+STREAM_OPTIONS = ("transform", "shuffle", "seed", "prefetch", "producers", "on_error", "schema",
+                  "stats", "num_parts", "part_index", "kvstore", "shard_sizes")
+
+
+class _Carry:
+    """The data of the samples the planner carries, in the planner's segment order.
+
+    Chunks are tuples of NDArrays (vectorised path) or lists of samples (DataLoader path).
+    """
+
+    def __init__(self) -> None:
+        self.chunks: list = []
+        self.segments: list[Segment] = []
+
+    def add(self, segment: Segment, chunk: Any) -> None:
+        self.segments.append(segment)
+        self.chunks.append(chunk)
+
+    def take_all(self) -> list:
+        chunks, self.chunks, self.segments = self.chunks, [], []
+        return chunks
+
+    def __len__(self) -> int:
+        return sum(s.size for s in self.segments)
+
+
+class _SlicePath:
+    """Batches as slices of a shard's NDArrays (copied and shuffled by the producer thread)."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+        self.prepare = self._to_ndarrays  # one bound method: the stream compares it by identity
+
+    def _to_ndarrays(self, arrays: tuple, order: np.ndarray | None) -> tuple:
+        """Producer-side: the shard's rows in ``order`` as NDArrays (one copy, off the loop's path)."""
+        if not len(arrays[0]):
+            return arrays
+        return tuple(mx_arrays.to_ndarray(a, self.ctx, order) for a in arrays)
+
+    def cut(self, shard: Shard, segment: Segment) -> tuple:
+        """Carried rows as a copy: a small leftover must not keep the whole shard alive."""
+        return tuple(a[segment.start:segment.stop].copy() for a in shard.arrays)
+
+    def start(self) -> None:
+        """Nothing to set up before the first shard."""
+
+    def unit(self, shard: Shard, plan: UnitPlan, carry: _Carry) -> Iterator[tuple[Batch, Any]]:
+        arrays = shard.arrays
+        for batch in plan.batches():  # only the joined batch opens with carried samples
+            parts = carry.take_all() if batch is plan.joined else []
+            own = batch.segments[-1]
+            parts.append(tuple(a[own.start:own.stop] for a in arrays))
+            yield batch, _as_batch(_join(parts))
+
+    def tail(self, batch: Batch, carry: _Carry) -> Any:
+        return _as_batch(_join(carry.take_all()))
+
+    def close(self) -> None:
+        """Nothing owned."""
+
+
+class _DataLoaderPath:
+    """Per-sample work (``sample_transform``/``batchify_fn``) in a ``gluon.data.DataLoader``."""
+
+    prepare = None  # shards stay numpy arrays, permuted by the stream
+
+    def __init__(self, loader: "StreamLoader") -> None:
+        self.sample_transform = loader.sample_transform
+        self.batchify = loader.batchify_fn or mx_arrays.default_batchify_fn()
+        self.num_workers = loader.num_workers
+        self.thread_pool = loader.thread_pool
+        self.pin_memory = loader.pin_memory
+        self.pin_device_id = loader.pin_device_id
+        self.timeout = loader.timeout
+        self.retries = loader.stream.error_policy.retries
+        self._swap = _SwapDataset()
+        self._batch_list = _BatchList()
+        self._shared: Any = None
+        self._dataloaders: set = set()
+
+    @property
+    def shares_dataloader(self) -> bool:
+        """Threads or no workers: one DataLoader serves every shard (no fork per shard)."""
+        return self.num_workers == 0 or self.thread_pool is None or bool(self.thread_pool)
+
+    def cut(self, shard: Shard, segment: Segment) -> list:
+        return [_row(shard.arrays, i) for i in range(segment.start, segment.stop)]
+
+    def start(self) -> None:
+        """Build the long-lived DataLoader now: its gc.collect() overlaps the first generation."""
+        if self.shares_dataloader:
+            self._ensure_shared()
+
+    def unit(self, shard: Shard, plan: UnitPlan, carry: _Carry) -> Iterator[tuple[Batch, Any]]:
+        if not len(plan):
+            return
+        carried = [s for chunk in carry.take_all() for s in chunk]
+        first = plan.joined.segments[-1].start if plan.joined is not None else plan.full.start
+        dataset = _ShardDataset(carried, shard.arrays, self.sample_transform, start=first)
+        batches = list(plan.batches())
+        indices = [self._indices(b, len(carried), first, plan) for b in batches]
+        with contextlib.closing(self._run(dataset, indices, key=shard.key)) as out:
+            for planned, data in zip(batches, out):
+                yield planned, data
+
+    @staticmethod
+    def _indices(batch: Batch, carried: int, first: int, plan: UnitPlan) -> list[int]:
+        """Dataset indices of a planned batch: carried samples first, then the unit's rows."""
+        out: list[int] = []
+        for seg in batch.segments:
+            if seg.unit == plan.unit and seg.epoch == plan.epoch:
+                out.extend(range(carried + seg.start - first, carried + seg.stop - first))
+            else:
+                out.extend(range(len(out), len(out) + seg.size))
+        return out
+
+    def tail(self, batch: Batch, carry: _Carry) -> Any:
+        dataset = _ShardDataset([s for chunk in carry.take_all() for s in chunk], (),
+                                self.sample_transform)
+        with contextlib.closing(self._run(dataset, [list(range(len(dataset)))])) as out:
+            return next(out)
+
+    def _ensure_shared(self) -> None:
+        """Build the long-lived DataLoader once; its constructor runs gc.collect() (~50 ms)."""
+        if self._shared is None:
+            self._shared = mx_dataloader.make_dataloader(
+                self._swap, self._batch_list, batchify_fn=self.batchify,
+                num_workers=self.num_workers, thread_pool=True, pin_memory=self.pin_memory,
+                pin_device_id=self.pin_device_id, timeout=self.timeout)
+            self._dataloaders.add(self._shared)
+
+    def _run(self, dataset: "_ShardDataset", batches: list, key: Any = None) -> Iterator[Any]:
+        if self.shares_dataloader:
+            self._ensure_shared()
+            self._swap.current = dataset
+            self._batch_list.batches = batches
+            try:
+                yield from mx_dataloader.thread_batches(self._shared, self.timeout, key,
+                                                        len(batches))
+            finally:
+                if self._swap.current is dataset:  # a late close must not clear a newer shard
+                    self._swap.current = None
+            return
+        # A process pool (thread_pool=False) is forked per shard and driven by pool_batches,
+        # which notices a dead worker (MXNet would wait for its lost batch forever) and a slow
+        # batch. With on_error=('retry', n) the undelivered batches are redone in a fresh pool,
+        # so every sample is still delivered exactly once.
+        done = 0
+        for attempt in range(self.retries + 1):
+            sampler = _BatchList()
+            sampler.batches = batches[done:]
+            dataloader = mx_dataloader.make_dataloader(
+                dataset, sampler, batchify_fn=self.batchify, num_workers=self.num_workers,
+                thread_pool=False, pin_memory=self.pin_memory, pin_device_id=self.pin_device_id,
+                timeout=self.timeout)
+            self._dataloaders.add(dataloader)
+            try:
+                for batch in mx_dataloader.pool_batches(dataloader, sampler.batches, self.timeout,
+                                                        key, first=done, total=len(batches)):
+                    done += 1
+                    yield batch
+                    del batch  # a kept exception's frames must not pin shared-memory batches
+                return
+            except WorkerDied as exc:
+                if attempt == self.retries:
+                    raise
+                logger.warning("%s; redoing the %d undelivered batch(es) in a new worker pool "
+                               "(retry %d/%d)", str(exc), len(batches) - done, attempt + 1,
+                               self.retries)
+            finally:
+                self._release(dataloader)
+
+    def _release(self, dataloader: Any) -> None:
+        self._dataloaders.discard(dataloader)
+        mx_dataloader.release_dataloader(dataloader)
+
+    def close(self) -> None:
+        """End every DataLoader worker pool."""
+        for dataloader in list(self._dataloaders):
+            self._release(dataloader)
 
 
 class _ShardDataset:
@@ -67,32 +243,6 @@ class _ShardDataset:
         if self.sample_transform is not None:
             return self.sample_transform(*item)
         return item[0] if len(item) == 1 else item
-
-
-class _Carry:
-    """Samples waiting for the next batch, and the shard rows they came from (for state_dict).
-
-    Chunks are tuples of NDArrays (vectorised path) or lists of samples (DataLoader path).
-    """
-
-    def __init__(self) -> None:
-        self.chunks: list = []
-        self.segments: list[dict] = []
-        self.count = 0
-
-    def add(self, chunk: Any, segment: dict, count: int) -> None:
-        self.chunks.append(chunk)
-        self.segments.append(segment)
-        self.count += count
-
-    def __len__(self) -> int:
-        return self.count
-
-    def joined(self) -> tuple:
-        return tuple(_compat.concat(parts) for parts in zip(*self.chunks))
-
-    def samples(self) -> list:
-        return [sample for chunk in self.chunks for sample in chunk]
 
 
 class _SwapDataset:
@@ -122,24 +272,37 @@ class _BatchList:
 
 
 class _LoaderResources:
-    """What a StreamLoader owns: its stream and any DataLoader worker pool."""
+    """What a StreamLoader owns: its stream (if it built it) and its batch path's pools."""
 
-    def __init__(self, stream: ShardStream, owns_stream: bool) -> None:
+    def __init__(self, stream: ShardStream, owns_stream: bool, path: Any) -> None:
         self.stream = stream
         self.owns_stream = owns_stream
-        self.dataloaders: set = set()
+        self.path = path
         self.closed = False
-
-    def release(self, dataloader: Any) -> None:
-        self.dataloaders.discard(dataloader)
-        _compat.release_dataloader(dataloader)
 
     def close(self) -> None:
         self.closed = True
-        for dataloader in list(self.dataloaders):
-            self.release(dataloader)
+        self.path.close()
         if self.owns_stream:
             self.stream.close()
+
+
+class _Rotation:
+    """Times the switch from one shard to the next, minus the wait for it to be produced."""
+
+    def __init__(self) -> None:
+        self.start: float | None = None
+        self.wait = 0.0
+
+    def boundary(self, t0: float, waited: float) -> None:
+        if self.start is None:
+            self.start = t0
+        self.wait += waited
+
+    def batch(self, now: float, record: EpochRecord) -> None:
+        if self.start is not None:  # first batch after a shard boundary
+            record.rotation_s.append(max(0.0, now - self.start - self.wait))
+            self.start, self.wait = None, 0.0
 
 
 class StreamLoader(Closing):
@@ -153,7 +316,8 @@ class StreamLoader(Closing):
         transform: ``transform(raw) -> arrays`` per shard, in a background producer thread.
         sample_transform: ``fn(*sample) -> sample`` per sample (like ``Dataset.transform``);
             selects the DataLoader path.
-        shuffle: Shuffle shard order and samples within shards, from ``(seed, epoch)``.
+        shuffle: Shuffle shard order and samples within shards, from ``(seed, epoch)``
+            (default False).
         seed: Shuffle seed (None: drawn once, logged).
         last_batch: ``'keep'`` (default, as Gluon), ``'discard'`` or ``'rollover'``; applies at
             the end of the epoch only, leftovers always cross shard boundaries.
@@ -161,10 +325,11 @@ class StreamLoader(Closing):
             ``gluon.data.DataLoader``; ``thread_pool=None`` means threads (no fork per shard)
             unless set to False. Without ``batchify_fn``/``sample_transform`` batches are
             slices and no workers are needed.
-        prefetch: Shards produced ahead of the one being consumed.
-        producers: Shards produced in parallel (threads), or a ``concurrent.futures.Executor``
-            (e.g. a dask client's) that generates them into a shared ``cache_dir``.
-        on_error: ``'raise'``, ``'skip'`` or ``('retry', n)`` per shard.
+        prefetch: Shards produced ahead of the one being consumed (default 2).
+        producers: Shards produced in parallel (threads, default 1), or a
+            ``concurrent.futures.Executor`` (e.g. a dask client's) that generates them into a
+            shared ``cache_dir``.
+        on_error: ``'raise'`` (default), ``'skip'`` or ``('retry', n)`` per shard.
         schema: Expected ``[(dtype, trailing_shape), ...]``; default: the first shard's.
         stats: A :class:`Stats` to record into (default: a new one, ``loader.stats``).
         progress: Show a tqdm bar per epoch (samples/s, share of time waiting, shards ahead).
@@ -186,82 +351,71 @@ class StreamLoader(Closing):
         [4, 4, 4, 4, 4, 4, 4, 2]
     """
 
+    STATE_VERSION = 1
+
     def __init__(self, source: Source | ShardStream, batch_size: int, *,
-                 transform: Callable[[Any], Any] | None = None,
+                 transform: Callable[[Any], Any] | None = _validate.UNSET,
                  sample_transform: Callable[..., Any] | None = None,
-                 shuffle: bool = False, seed: int | None = None, last_batch: str = "keep",
-                 num_workers: int = 0, thread_pool: bool | None = None,
+                 shuffle: bool = _validate.UNSET, seed: int | None = _validate.UNSET,
+                 last_batch: str = "keep", num_workers: int = 0,
+                 thread_pool: bool | None = None,
                  batchify_fn: Callable[[list], Any] | None = None, pin_memory: bool = False,
-                 pin_device_id: int = 0, timeout: float = 120, prefetch: int = 2,
-                 producers: int | Executor = 1, on_error: Any = "raise",
-                 schema: Sequence[tuple[Any, Sequence[int]]] | None = None,
-                 stats: Stats | None = None, progress: bool = False,
-                 num_parts: int | str = 1, part_index: int | str = 0, kvstore: Any = None,
-                 even_batches: bool = False,
-                 shard_sizes: Mapping[Any, int] | Callable[[Any], int] | None = None) -> None:
-        _compat.require_mxnet()
-        if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) \
-                or batch_size <= 0:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        if last_batch not in LAST_BATCH_MODES:
-            raise ValueError(f"last_batch must be one of {LAST_BATCH_MODES}, got {last_batch!r}")
-        if not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
-        if timeout <= 0:
-            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+                 pin_device_id: int = 0, timeout: float = 120,
+                 prefetch: int = _validate.UNSET, producers: int | Executor = _validate.UNSET,
+                 on_error: Any = _validate.UNSET,
+                 schema: Sequence[tuple[Any, Sequence[int]]] | None = _validate.UNSET,
+                 stats: Stats | None = _validate.UNSET, progress: bool = False,
+                 num_parts: int | str = _validate.UNSET, part_index: int | str = _validate.UNSET,
+                 kvstore: Any = _validate.UNSET, even_batches: bool = False,
+                 shard_sizes: Mapping[Any, int] | Callable[[Any], int] | None = _validate.UNSET
+                 ) -> None:
+        require_mxnet()
+        self.batch_size = _validate.integer("batch_size", batch_size, minimum=1)
+        self.last_batch = _validate.choice("last_batch", last_batch, LAST_BATCH_MODES)
+        self.num_workers = _validate.integer("num_workers", num_workers, minimum=0)
+        self.timeout = _validate.seconds("timeout", timeout)
         if even_batches and last_batch == "rollover":
             raise ValueError("even_batches=True delivers only full batches, so last_batch='rollover' "
                              "has nothing to roll over; use last_batch='keep' or 'discard'")
-        for name, fn in (("sample_transform", sample_transform), ("batchify_fn", batchify_fn)):
-            if fn is not None and not callable(fn):
-                raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+        _validate.callable_or_none("sample_transform", sample_transform)
+        _validate.callable_or_none("batchify_fn", batchify_fn)
+        given = {name: value for name, value in (
+            ("transform", transform), ("shuffle", shuffle), ("seed", seed),
+            ("prefetch", prefetch), ("producers", producers), ("on_error", on_error),
+            ("schema", schema), ("stats", stats), ("num_parts", num_parts),
+            ("part_index", part_index), ("kvstore", kvstore), ("shard_sizes", shard_sizes))
+            if _validate.is_set(value)}
         if isinstance(source, ShardStream):
-            given = {"transform": transform is not None, "shuffle": shuffle, "seed": seed is not None,
-                     "prefetch": prefetch != 2, "producers": producers != 1,
-                     "on_error": on_error != "raise", "schema": schema is not None,
-                     "stats": stats is not None, "num_parts": num_parts != 1,
-                     "part_index": part_index != 0, "kvstore": kvstore is not None,
-                     "shard_sizes": shard_sizes is not None}
-            clash = [name for name, set_ in given.items() if set_]
-            if clash:
-                raise ValueError(f"{', '.join(clash)} given to StreamLoader together with a "
+            if given:
+                raise ValueError(f"{', '.join(given)} given to StreamLoader together with a "
                                  "ShardStream: set them on the ShardStream instead")
             stream, owns = source, False
         else:
-            stream = ShardStream(source, transform=transform, prefetch=prefetch,
-                                 producers=producers, shuffle=shuffle, seed=seed,
-                                 on_error=on_error, schema=schema, stats=stats,
-                                 num_parts=num_parts, part_index=part_index, kvstore=kvstore,
-                                 shard_sizes=shard_sizes)
-            owns = True
-        self.batch_size = int(batch_size)
+            stream, owns = ShardStream(source, **given), True
         self.even_batches = bool(even_batches)
-        self.last_batch = last_batch
-        self.num_workers = num_workers
         self.thread_pool = thread_pool
         self.batchify_fn = batchify_fn
         self.sample_transform = sample_transform
         self.pin_memory = pin_memory
         self.pin_device_id = pin_device_id
-        self.timeout = timeout
         self.stream = stream
         self.progress = progress
         self.vectorised = batchify_fn is None and sample_transform is None
-        self._rollover: _Carry | None = None
-        self._position: dict | None = None  # where the epoch in progress stands
-        self._resume: dict | None = None  # set by load_state_dict for the next pass
+        self._rollover = _Carry()  # the data of the samples an epoch rolled over
+        self._position: Position | None = None  # where the epoch in progress stands
+        self._delivered = 0  # batches delivered in the epoch in progress
+        self._resume: tuple[Position, int] | None = None  # set by load_state_dict
         self._finished_epoch: int | None = None
-        self._swap = _SwapDataset()
-        self._batch_list = _BatchList()
-        self._shared_dataloader: Any = None
-        self._res = _LoaderResources(stream, owns)
-        self._finalizer = weakref.finalize(self, self._res.close)
         if self.vectorised:
-            ctx = _compat.context(pin_memory, pin_device_id)
-            stream._finisher = lambda shard, order: _to_ndarrays(shard, ctx, order)
+            path: Any = _SlicePath(mx_arrays.batch_context(pin_memory, pin_device_id))
             if num_workers:
                 logger.info("num_workers=%d unused: without batchify_fn/sample_transform, batches "
                             "are slices of a shard prepared in the background", num_workers)
+        else:
+            path = _DataLoaderPath(self)
+        self._path = path
+        self._res = _LoaderResources(stream, owns, path)
+        self._finalizer = weakref.finalize(self, self._res.close)
 
     # -- public API -----------------------------------------------------------------------
     @property
@@ -289,20 +443,25 @@ class StreamLoader(Closing):
         total = self.stream.epoch_size(epoch)
         if total is None:
             return None
-        full, rest = divmod(total + _carry_len(self._rollover), self.batch_size)
+        full, rest = divmod(total + len(self._rollover), self.batch_size)
         return full + (1 if rest and self.last_batch == "keep" else 0)
 
     def __iter__(self) -> Iterator[Any]:
         self._check_open()
-        resume = self._resume
-        if resume is not None and resume["epoch"] != self.stream.epoch:
+        resume, self._resume = self._resume, None
+        if resume is not None and resume[0].epoch != self.stream.epoch:
             logger.warning("state loaded for epoch %d, but epoch %d starts: iterating it from its "
-                           "beginning", resume["epoch"], self.stream.epoch)
-            self._resume = resume = None
-        run = self.stream.start_epoch(skip=resume["shard"] if resume else 0)
-        return self._epoch(run)
-
-    STATE_VERSION = 1
+                           "beginning", resume[0].epoch, self.stream.epoch)
+            resume = None
+        if resume is not None:
+            start, delivered = resume
+            carry = self._rebuild_carry(start.carry)
+        else:
+            start = Position(self.stream.epoch, 0, 0, tuple(self._rollover.segments))
+            carry, delivered = self._rollover, 0
+        self._rollover = _Carry()
+        run = self.stream.start_epoch(skip=start.unit, prepare=self._path.prepare)
+        return self._epoch(run, start, carry, delivered)
 
     def state_dict(self) -> dict:
         """Where the stream stands, as a small JSON-serialisable dict (take it between batches).
@@ -311,16 +470,19 @@ class StreamLoader(Closing):
         exactly the batches this one would have produced next.
         """
         if self._position is not None:
-            position = dict(self._position, carry=list(self._position["carry"]))
+            position, delivered = self._position, self._delivered
+        elif self._resume is not None:
+            position, delivered = self._resume
         else:
             epoch = self.stream.epoch
             if epoch == self._finished_epoch:  # set_epoch(e) then a whole pass: e + 1 is next
                 epoch += 1
-            position = {"epoch": epoch, "shard": 0, "offset": 0, "batches": 0,
-                        "carry": list(self._rollover.segments) if self._rollover else []}
-        return dict(position, version=self.STATE_VERSION, seed=self.stream.seed,
-                    shuffle=self.stream.shuffle, batch_size=self.batch_size,
-                    num_parts=self.stream.num_parts, part_index=self.stream.part_index)
+            position, delivered = Position(epoch, 0, 0, tuple(self._rollover.segments)), 0
+        return {"epoch": position.epoch, "shard": position.unit, "offset": position.offset,
+                "batches": delivered, "carry": [_segment_state(s) for s in position.carry],
+                "version": self.STATE_VERSION, "seed": self.stream.seed,
+                "shuffle": self.stream.shuffle, "batch_size": self.batch_size,
+                "num_parts": self.stream.num_parts, "part_index": self.stream.part_index}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict` of a loader built with the same arguments."""
@@ -334,29 +496,25 @@ class StreamLoader(Closing):
         if differ:
             raise ValueError(f"state was saved by a loader with other settings "
                              f"(saved, this one): {differ}; build the loader as before")
-        self._resume = {k: state[k] for k in ("epoch", "shard", "offset", "batches", "carry")}
-        self._rollover = None
-        self.stream.set_epoch(int(state["epoch"]))
+        carry = tuple(Segment(int(s["epoch"]), int(s["index"]), int(s["start"]), int(s["end"]),
+                              s.get("key")) for s in state["carry"])
+        position = Position(int(state["epoch"]), int(state["shard"]), int(state["offset"]), carry)
+        self._resume = (position, int(state["batches"]))
+        self._position = None
+        self._rollover = _Carry()
+        self.stream.set_epoch(position.epoch)
 
-    def _rebuild_carry(self, segments: list) -> _Carry | None:
+    def _rebuild_carry(self, segments: Sequence[Segment]) -> _Carry:
         """Produce the shards that carried samples came from again, and cut the same rows."""
-        if not segments:
-            return None
         carry = _Carry()
         key_lists: dict[int, list | None] = {}
         for seg in segments:
-            epoch = int(seg["epoch"])
-            if epoch not in key_lists:
-                key_lists[epoch] = self.stream.epoch_keys(epoch)[2]
-            keys = key_lists[epoch]
-            key = keys[seg["index"]] if keys is not None else seg["key"]
-            shard = self.stream.produce_now(key, epoch)
-            start, end = int(seg["start"]), int(seg["end"])
-            if self.vectorised:
-                chunk = tuple(a[start:end].copy() for a in shard.arrays)
-            else:
-                chunk = [_row(shard.arrays, i) for i in range(start, end)]
-            carry.add(chunk, dict(seg), end - start)
+            if seg.epoch not in key_lists:
+                key_lists[seg.epoch] = self.stream.epoch_keys(seg.epoch)[2]
+            keys = key_lists[seg.epoch]
+            key = keys[seg.unit] if keys is not None else seg.key
+            shard = self.stream.produce_now(key, seg.epoch, self._path.prepare)
+            carry.add(seg, self._path.cut(shard, seg))
         return carry
 
     def close(self) -> None:
@@ -369,59 +527,81 @@ class StreamLoader(Closing):
             raise LoaderClosed("this StreamLoader is closed; create a new one")
         self.stream.check_open()
 
-    def _epoch(self, run: _EpochRun) -> Iterator[Any]:
+    def _epoch(self, run: EpochRun, start: Position, carry: _Carry,
+               delivered: int) -> Iterator[Any]:
         stats = self.stats
         clock = stats.clock
         record = stats.new_epoch(run.epoch)
-        start = waiting_since = clock()
+        t_start = waiting_since = clock()
         bar = ProgressBar(run.epoch, self._num_batches(run.epoch)) if self.progress else None
         limit = self._even_limit(run.epoch)
-        resume, self._resume = self._resume, None
-        delivered = resume["batches"] if resume else 0
-        if resume:
-            carry = self._rebuild_carry(resume["carry"])
-            offset = resume["offset"]
-        else:
-            carry, offset = self._rollover, 0
-        self._rollover = None
-        position = self._position = {"epoch": run.epoch, "shard": run.index, "offset": offset,
-                                     "carry": carry.segments if carry else [],
-                                     "batches": delivered}
-        batches = self._slice_batches if self.vectorised else self._dataloader_batches
+        planner = BatchPlanner(self.batch_size, self.last_batch, start)
+        rotation = _Rotation()
+        self._position, self._delivered = start, delivered
         run.start()  # producers start on the first shards before anything below can wait
-        if not self.vectorised and self._shares_dataloader:
-            self._ensure_shared_dataloader()  # its gc.collect() overlaps the first generation
+        self._path.start()
         try:
-            for batch in batches(run, carry, offset, record, position):
+            for planned, batch in self._planned(run, planner, carry, record, rotation):
                 if limit is not None and delivered >= limit:
                     break  # even_batches: every part stops after the same number of batches
                 now = clock()
                 if record.first_batch_s is None:
-                    record.first_batch_s = now - start
+                    record.first_batch_s = now - t_start
                 record.stall_s += now - waiting_since
-                if run.rotation_start is not None:  # first batch after a shard boundary
-                    record.rotation_s.append(max(0.0, now - run.rotation_start - run.rotation_wait))
-                    run.rotation_start, run.rotation_wait = None, 0.0
+                rotation.batch(now, record)
                 stats.add_span("train", "wait", waiting_since, now)
                 record.batches += 1
-                record.samples += _batch_len(batch)
+                record.samples += planned.size
                 delivered += 1
-                position["batches"] = delivered
+                self._position, self._delivered = planned.after, delivered
                 if bar is not None:
-                    record.wall_s = now - start
+                    record.wall_s = now - t_start
                     bar.update(record, run.ready_ahead())
                 yield batch
                 waiting_since = clock()
                 stats.add_span("train", "busy", now, waiting_since)
             record.complete = True
+            self._rollover = carry if self.last_batch == "rollover" else _Carry()
             self._position = None
             self._finished_epoch = run.epoch
         finally:
             run.cancel()
             record.skipped_shards = run.skipped
-            record.wall_s = clock() - start
+            record.wall_s = clock() - t_start
             if bar is not None:
                 bar.close(record)
+
+    def _planned(self, run: EpochRun, planner: BatchPlanner, carry: _Carry,
+                 record: EpochRecord, rotation: _Rotation) -> Iterator[tuple[Batch, Any]]:
+        """(planned batch, its data) for the whole epoch, unit by unit."""
+        path = self._path
+        clock = self.stats.clock
+        first = True
+        while True:
+            t0 = clock()
+            try:
+                shard = run.next_shard()
+            except LoaderClosed:
+                raise
+            except Exception:  # deliver what earlier shards left over first, then raise
+                tail = planner.flush(run.index)
+                if tail is not None:
+                    yield tail, path.tail(tail, carry)
+                raise
+            if shard is None:
+                break
+            record.peak_prefetch = max(record.peak_prefetch, run.ready_ahead() + 1)
+            if not first:
+                rotation.boundary(t0, run.last_wait_s)
+            first = False
+            plan = planner.add(shard.index, len(shard), key=shard.key)
+            yield from path.unit(shard, plan, carry)
+            for seg in plan.leftover:
+                carry.add(seg, path.cut(shard, seg))
+            del shard
+        tail = planner.finish()
+        if tail is not None:
+            yield tail, path.tail(tail, carry)
 
     def _even_limit(self, epoch: int) -> int | None:
         """With even_batches, the batch count every part can deliver this epoch."""
@@ -435,184 +615,12 @@ class StreamLoader(Closing):
                 "shard_sizes= (samples after transform)")
         return min(sizes) // self.batch_size
 
-    def _shards(self, run: _EpochRun, record: EpochRecord) -> Iterator["Shard | _ShardFailed"]:
-        """The epoch's shards; marks each boundary so ``_epoch`` can time the rotation."""
-        clock = self.stats.clock
-        first = True
-        while True:
-            t0 = clock()
-            try:
-                shard = run.next_shard()
-            except LoaderClosed:
-                raise
-            except Exception as exc:  # the paths deliver what earlier shards left over first
-                yield _ShardFailed(exc)
-                return
-            if shard is None:
-                return
-            record.peak_prefetch = max(record.peak_prefetch, run.ready_ahead() + 1)
-            if not first:
-                if run.rotation_start is None:
-                    run.rotation_start = t0
-                run.rotation_wait += run.last_wait_s
-            first = False
-            yield shard
-            del shard
 
-    def _slice_batches(self, run: _EpochRun, carry: _Carry | None, offset: int,
-                       record: EpochRecord, position: dict) -> Iterator[Any]:
-        bs = self.batch_size
-        for shard in self._shards(run, record):
-            if isinstance(shard, _ShardFailed):
-                yield from self._flush_before(shard.error, carry, _joined_batch, position)
-            arrays = shard.arrays
-            n = len(shard)
-            pos, offset = offset, 0  # a resumed epoch starts its first shard at the offset
-            if carry is not None and pos < n:
-                take = min(bs - len(carry), n - pos)
-                carry.add(tuple(a[pos:pos + take] for a in arrays),
-                          _segment(shard, pos, pos + take), take)
-                pos += take
-                if len(carry) < bs:
-                    continue
-                _advance(position, shard, pos)
-                yield _as_batch(carry.joined())
-                carry = None
-            stop = pos + (n - pos) // bs * bs
-            for begin in range(pos, stop, bs):
-                _advance(position, shard, begin + bs)
-                yield _as_batch(tuple(a[begin:begin + bs] for a in arrays))
-            if stop < n:  # copy: a small leftover must not keep the whole shard alive
-                carry = _Carry()
-                carry.add(tuple(a[stop:n].copy() for a in arrays), _segment(shard, stop, n),
-                          n - stop)
-            del arrays
-        yield from self._finish_epoch(carry, _joined_batch, run, position)
-
-    def _dataloader_batches(self, run: _EpochRun, carry: _Carry | None, offset: int,
-                            record: EpochRecord, position: dict) -> Iterator[Any]:
-        bs = self.batch_size
-
-        def last(c: _Carry) -> Any:
-            dataset = _ShardDataset(c.samples(), (), self.sample_transform)
-            with contextlib.closing(self._run_dataloader(dataset, [list(range(len(dataset)))])
-                                    ) as out:
-                return next(out)
-
-        for shard in self._shards(run, record):
-            if isinstance(shard, _ShardFailed):
-                yield from self._flush_before(shard.error, carry, last, position)
-            pos, offset = offset, 0
-            n = len(shard)
-            held = len(carry) if carry is not None else 0
-            samples = carry.samples() if carry is not None else []
-            stop = (held + n - pos) // bs * bs
-            if not stop:  # too few to finish a batch: everything waits for the next shard
-                if pos < n:
-                    carry = carry or _Carry()
-                    carry.add([_row(shard.arrays, i) for i in range(pos, n)],
-                              _segment(shard, pos, n), n - pos)
-                continue
-            dataset = _ShardDataset(samples, shard.arrays, self.sample_transform, start=pos)
-            rest = pos + stop - held  # shard row of the first sample left over
-            carry = None
-            if rest < n:
-                carry = _Carry()
-                carry.add([_row(shard.arrays, i) for i in range(rest, n)],
-                          _segment(shard, rest, n), n - rest)
-            batches = [list(range(i, i + bs)) for i in range(0, stop, bs)]
-            with contextlib.closing(self._run_dataloader(dataset, batches, key=shard.key)) as out:
-                for end, batch in zip(range(bs, stop + 1, bs), out):
-                    _advance(position, shard, pos + end - held)
-                    yield batch
-            del dataset, shard
-        yield from self._finish_epoch(carry, last, run, position)
-
-    def _flush_before(self, error: BaseException, carry: _Carry | None,
-                      as_batch: Callable[[Any], Any], position: dict) -> Iterator[Any]:
-        """A shard failed: deliver the samples earlier shards left over, then raise its error."""
-        if carry is not None and len(carry) and self.last_batch != "discard":
-            position["carry"] = []
-            yield as_batch(carry)
-        raise error
-
-    def _finish_epoch(self, carry: _Carry | None, as_batch: Callable[[Any], Any],
-                      run: _EpochRun, position: dict) -> Iterator[Any]:
-        position.update(shard=run.index, offset=0, carry=carry.segments if carry else [])
-        if carry is None or not len(carry):
-            return
-        if self.last_batch == "keep":
-            position["carry"] = []
-            yield as_batch(carry)
-        elif self.last_batch == "rollover":
-            self._rollover = carry
-
-    @property
-    def _shares_dataloader(self) -> bool:
-        """Threads or no workers: one DataLoader serves every shard (no fork per shard)."""
-        return self.num_workers == 0 or self.thread_pool is None or bool(self.thread_pool)
-
-    def _batchify(self) -> Callable[[list], Any]:
-        return self.batchify_fn or _compat.default_batchify_fn()
-
-    def _ensure_shared_dataloader(self) -> None:
-        """Build the long-lived DataLoader once; its constructor runs gc.collect() (~50 ms)."""
-        if self._shared_dataloader is None:
-            self._shared_dataloader = _compat.make_dataloader(
-                self._swap, self._batch_list, batchify_fn=self._batchify(),
-                num_workers=self.num_workers, thread_pool=True, pin_memory=self.pin_memory,
-                pin_device_id=self.pin_device_id, timeout=self.timeout)
-            self._res.dataloaders.add(self._shared_dataloader)
-
-    def _run_dataloader(self, dataset: _ShardDataset, batches: list, key: Any = None
-                        ) -> Iterator[Any]:
-        batchify = self._batchify()
-        if self._shares_dataloader:
-            self._ensure_shared_dataloader()
-            self._swap.current = dataset
-            self._batch_list.batches = batches
-            try:
-                yield from _thread_batches(self._shared_dataloader, self.timeout, key, len(batches))
-            finally:
-                if self._swap.current is dataset:  # a late close must not clear a newer shard
-                    self._swap.current = None
-            return
-        # A process pool (thread_pool=False) is forked per shard and driven by _pool_batches,
-        # which notices a dead worker (MXNet would wait for its lost batch forever) and a slow
-        # batch. With on_error=('retry', n) the undelivered batches are redone in a fresh pool,
-        # so every sample is still delivered exactly once.
-        retries = self.stream._retries if self.stream.on_error == "retry" else 0
-        done = 0
-        for attempt in range(retries + 1):
-            sampler = _BatchList()
-            sampler.batches = batches[done:]
-            dataloader = _compat.make_dataloader(
-                dataset, sampler, batchify_fn=batchify, num_workers=self.num_workers,
-                thread_pool=False, pin_memory=self.pin_memory, pin_device_id=self.pin_device_id,
-                timeout=self.timeout)
-            self._res.dataloaders.add(dataloader)
-            try:
-                for batch in _pool_batches(dataloader, sampler.batches, self.timeout, key,
-                                           first=done, total=len(batches)):
-                    done += 1
-                    yield batch
-                    del batch  # a kept exception's frames must not pin shared-memory batches
-                return
-            except WorkerDied as exc:
-                if attempt == retries:
-                    raise
-                logger.warning("%s; redoing the %d undelivered batch(es) in a new worker pool "
-                               "(retry %d/%d)", str(exc), len(batches) - done, attempt + 1,
-                               retries)
-            finally:
-                self._res.release(dataloader)
-
-
-def _to_ndarrays(shard: Shard, ctx: Any, order: np.ndarray | None) -> None:
-    """Producer-side: replace a shard's numpy arrays by NDArrays holding its rows in ``order``
-    (one copy, off the training loop's path)."""
-    if len(shard):
-        shard.arrays = tuple(_compat.to_ndarray(a, ctx, order) for a in shard.arrays)
+def _join(parts: list) -> tuple:
+    """Arrays of a batch from its parts (tuples of NDArrays), joined along the sample axis."""
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(mx_arrays.concat(list(arrays)) for arrays in zip(*parts))
 
 
 def _row(arrays: Sequence[Any], i: int) -> tuple:
@@ -620,143 +628,12 @@ def _row(arrays: Sequence[Any], i: int) -> tuple:
     return tuple(np.array(a[i]) for a in arrays)
 
 
-def _segment(shard: Shard, start: int, end: int) -> dict:
-    """Where carried samples came from: enough to produce them again on resume."""
-    key = shard.key if isinstance(shard.key, (str, int, float)) else str(shard.key)
-    return {"epoch": shard.epoch, "index": shard.index, "key": key, "start": start, "end": end}
-
-
-def _advance(position: dict, shard: Shard, offset: int) -> None:
-    """Record that the next sample to read is row ``offset`` of ``shard`` (nothing carried)."""
-    if offset >= len(shard):
-        position.update(shard=shard.index + 1, offset=0, carry=[])
-    else:
-        position.update(shard=shard.index, offset=offset, carry=[])
-
-
-class _ShardFailed:
-    """Stands in the shard sequence for a shard whose production failed."""
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-def _joined_batch(carry: _Carry) -> Any:
-    return _as_batch(carry.joined())
+def _segment_state(segment: Segment) -> dict:
+    """Where carried samples came from, as plain data: enough to produce them again."""
+    key = segment.key if isinstance(segment.key, (str, int, float)) else str(segment.key)
+    return {"epoch": segment.epoch, "index": segment.unit, "key": key, "start": segment.start,
+            "end": segment.stop}
 
 
 def _as_batch(arrays: tuple) -> Any:
     return arrays[0] if len(arrays) == 1 else list(arrays)
-
-
-def _batch_len(batch: Any) -> int:
-    first = batch[0] if isinstance(batch, (list, tuple)) else batch
-    return int(first.shape[0])
-
-
-def _carry_len(carry: _Carry | None) -> int:
-    return len(carry) if carry is not None else 0
-
-
-# -- worker pools: dead workers and slow batches (helpers of StreamLoader._run_dataloader) --------
-
-POOL_POLL_S = 0.1  # how often a wait for a process-pool batch checks for dead workers
-WORKER_DEATH_S = 5.0  # how long a failed fetch from a worker waits for its death to show
-
-
-def _describe_key(key: Any) -> str:
-    return f"shard {key!r}" if key is not None else "the current shard"
-
-
-def _pool_batches(dataloader: Any, batches: list, timeout: float, key: Any, *, first: int,
-                  total: int) -> Iterator[Any]:
-    """Yield a process-pool DataLoader's batches in order, as MXNet's iterator would, but
-    sleeping in short slices that check whether a worker died and whether ``timeout`` passed."""
-    known: dict = {}
-    _compat.dead_workers(dataloader, known)  # remember the workers forked for this shard
-    pending: collections.deque = collections.deque()
-    todo = iter(enumerate(batches, start=first))
-
-    def push() -> None:
-        item = next(todo, None)
-        if item is not None:
-            pending.append((item[0], _compat.submit_batch(dataloader, item[1])))
-
-    for _ in range(_compat.prefetch_depth(dataloader)):
-        push()
-    while pending:
-        index, result = pending.popleft()
-        push()
-        deadline = time.monotonic() + timeout
-        while not result.ready():
-            result.wait(POOL_POLL_S)
-            if result.ready():
-                break
-            if _compat.worker_pool(dataloader) is None:  # released: close() from another thread
-                raise LoaderClosed(f"the loader was closed while waiting for batch {index + 1} "
-                                   f"of {total} of {_describe_key(key)}")
-            dead = _compat.dead_workers(dataloader, known)
-            if dead:
-                raise _worker_died(dead, key, index, total)
-            if time.monotonic() >= deadline:
-                raise BatchTimeout(
-                    f"batch {index + 1} of {total} of {_describe_key(key)} took longer than "
-                    f"timeout={timeout} s in a DataLoader worker process: sample_transform or "
-                    "batchify_fn is too slow (or stuck); speed it up or raise timeout=")
-        try:
-            batch = _compat.receive_batch(dataloader, result)
-        except Exception as exc:
-            # the shared-memory fd of a finished batch is fetched from the worker that made it:
-            # if that worker was just killed, this fails before its death is visible here
-            patience = WORKER_DEATH_S if isinstance(exc, (OSError, EOFError)) else 0.0
-            dead = _compat.dead_workers(dataloader, known)
-            deadline = time.monotonic() + patience
-            while not dead and time.monotonic() < deadline:
-                time.sleep(POOL_POLL_S)
-                dead = _compat.dead_workers(dataloader, known)
-            if dead:
-                raise _worker_died(dead, key, index, total) from exc
-            exc.add_note(f"gluon_stream: raised in a DataLoader worker process while loading "
-                         f"batch {index + 1} of {total} of {_describe_key(key)}")
-            raise
-        del result
-        yield batch
-        del batch  # a kept exception's frames must not pin shared-memory batches
-
-
-def _worker_died(dead: list, key: Any, index: int, total: int) -> Exception:
-    pid, code = dead[0]
-    if code < 0:
-        try:
-            how = f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            how = f"was killed by signal {-code}"
-    else:
-        how = f"exited with code {code}"
-    return WorkerDied(
-        f"DataLoader worker process {pid} {how} while {_describe_key(key)} was loading; batch "
-        f"{index + 1} of {total} and the others it held are lost. Likely out of memory (check "
-        "`dmesg` for the OOM killer) or a crash in sample_transform/batchify_fn: lower "
-        "num_workers, use thread_pool=True, or pass on_error=('retry', n) to redo the lost "
-        "batches in a new pool", pid=pid, signal=-code if code < 0 else None, key=key)
-
-
-def _thread_batches(dataloader: Any, timeout: float, key: Any, total: int) -> Iterator[Any]:
-    """A thread-pool or in-process DataLoader's batches, its timeout raised as BatchTimeout."""
-    batches = iter(dataloader)
-    try:
-        index = 0
-        while True:
-            try:
-                batch = next(batches)
-            except StopIteration:
-                return
-            except multiprocessing.TimeoutError as exc:
-                raise BatchTimeout(
-                    f"batch {index + 1} of {total} of {_describe_key(key)} took longer than "
-                    f"timeout={timeout} s in a DataLoader worker thread: sample_transform or "
-                    "batchify_fn is too slow (or stuck); speed it up or raise timeout=") from exc
-            index += 1
-            yield batch
-    finally:
-        batches.close()

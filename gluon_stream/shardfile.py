@@ -29,7 +29,8 @@ import numpy as np
 
 from .errors import CorruptShard, ShardError, UnsafeShard
 
-__all__ = ["ArrayInfo", "inspect_shard", "load_shard", "normalize_arrays", "write_shard"]
+__all__ = ["ArrayInfo", "inspect_shard", "load_shard", "normalize_arrays", "remove_if_exists",
+           "write_shard"]
 
 logger = logging.getLogger(__name__)
 
@@ -291,7 +292,7 @@ def write_shard(path: str | os.PathLike, value: ArrayLike) -> str:
             os.fsync(fp.fileno())
         os.replace(tmp, path)
     except BaseException as exc:
-        _remove_quietly(tmp)
+        remove_if_exists(tmp)
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             raise ShardError(f"disk full while writing shard {path!r}: free space in "
                              f"{directory or '.'!r} or point cache_dir elsewhere (not retried)",
@@ -300,9 +301,9 @@ def write_shard(path: str | os.PathLike, value: ArrayLike) -> str:
     return path
 
 
-def _remove_quietly(path: str) -> None:
+def remove_if_exists(path: str | os.PathLike) -> None:
     """Remove a file that may already be gone."""
     try:
         os.unlink(path)
     except FileNotFoundError:
-        logger.debug("temporary file %s already removed", path)
+        logger.debug("%s already removed", os.fspath(path))

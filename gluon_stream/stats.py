@@ -8,29 +8,21 @@ injectable so tests can drive it without sleeping.
 from __future__ import annotations
 
 import collections
-import json
-import logging
 import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
-__all__ = ["EpochRecord", "ProgressBar", "ShardRecord", "Span", "Stats"]
+from .timeline import TRAIN_LANE, plot_timeline, write_chrome_trace
 
-logger = logging.getLogger(__name__)
+__all__ = ["EpochRecord", "ShardRecord", "Span", "Stats"]
 
 MAX_SPANS = 50_000
-TRAIN_LANE = "train"
-PRODUCER_PHASES = ("generate", "load", "transform")
-TRAIN_PHASES = ("busy", "wait")
-COLORS = {"generate": "#e8a33d", "load": "#4c8bd6", "transform": "#59a14f",
-          "busy": "#2f7d32", "wait": "#d62728"}
 
 
-@dataclass(slots=True)
-class Span:
-    """One interval on the timeline.
+class Span(NamedTuple):
+    """One interval on the timeline (a tuple: compact, 50,000 of them are kept).
 
     Attributes:
         lane: The producer thread's name, or ``"train"`` for the training loop.
@@ -221,197 +213,28 @@ class Stats:
         return "\n".join(lines)
 
     # -- export ----------------------------------------------------------------------------
+
+    # -- export ----------------------------------------------------------------------------
     def plot(self, path: str | os.PathLike | None = None, *, ax: Any = None,
              title: str | None = None) -> Any:
-        """Draw the pipeline timeline: one lane per producer, one for the training loop.
+        """Draw the pipeline timeline (see :func:`gluon_stream.timeline.plot_timeline`).
 
-        Producer lanes show ``generate``/``load``/``transform`` spans; the ``train`` lane shows
-        ``busy`` (your loop body) and ``wait`` (waiting for the next batch): red on the
-        bottom lane is time the accelerator sat idle for lack of data. Needs matplotlib
-        (``pip install 'gluon_stream[plot]'``).
-
-        Args:
-            path: Save a PNG (or any format matplotlib infers from the suffix) there. The figure
-                is then built without pyplot, so nothing is left open.
-            ax: Draw into this matplotlib Axes instead of a new figure.
-            title: Override the default title (the loop's waiting share).
-
-        Returns:
-            The matplotlib ``Figure``. Without ``path`` and ``ax`` it is a pyplot figure, so
-            Jupyter shows it inline.
+        One lane per producer (generate/load/transform) and one for the training loop (busy,
+        and red while it waits for data). Needs matplotlib: ``pip install 'gluon_stream[plot]'``.
+        With ``path`` the figure is saved and built without pyplot; without, a pyplot figure is
+        returned (shown inline in Jupyter).
 
         Example:
             >>> fig = loader.stats.plot("timeline.png")  # doctest: +SKIP
         """
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError as exc:
-            raise ImportError("Stats.plot needs matplotlib: pip install 'gluon_stream[plot]'"
-                              ) from exc
-        spans = self.span_list()
-        lanes = self.lanes()
-        if ax is not None:
-            fig = ax.figure
-        elif path is not None:
-            from matplotlib.backends.backend_agg import FigureCanvasAgg
-            from matplotlib.figure import Figure
-
-            fig = Figure(figsize=(10, 1.0 + 0.6 * max(len(lanes), 1)))
-            FigureCanvasAgg(fig)
-            ax = fig.subplots()
-        else:
-            import matplotlib.pyplot as plt
-
-            fig, ax = plt.subplots(figsize=(10, 1.0 + 0.6 * max(len(lanes), 1)))
-        self._draw(ax, spans, lanes, title)
-        fig.tight_layout()
-        if path is not None:
-            fig.savefig(os.fspath(path), dpi=100)
-            logger.info("timeline written to %s", os.fspath(path))
-        return fig
-
-    def _draw(self, ax: Any, spans: list[Span], lanes: list[str], title: str | None) -> None:
-        rows = {lane: len(lanes) - 1 - i for i, lane in enumerate(lanes)}  # train at the bottom
-        labelled: set[str] = set()
-        for lane in lanes:
-            phases = TRAIN_PHASES if lane == TRAIN_LANE else PRODUCER_PHASES
-            for name in phases:
-                bars = [(s.start, s.end - s.start) for s in spans
-                        if s.lane == lane and s.name == name and s.end > s.start]
-                if not bars:
-                    continue
-                # white edges show shard boundaries on producer lanes; the train lane has
-                # one span per batch, where edges would hide the bars
-                edges = {} if lane == TRAIN_LANE else {"edgecolors": "white", "linewidth": 0.5}
-                ax.broken_barh(bars, (rows[lane] - 0.35, 0.7), facecolors=COLORS[name],
-                               label=None if name in labelled else name, **edges)
-                labelled.add(name)
-        ax.set_yticks(list(rows.values()))
-        ax.set_yticklabels([_short_lane(lane) for lane in rows])
-        ax.set_ylim(-0.6, max(len(lanes), 1) - 0.4)
-        ax.set_xlabel("seconds since the stream was created")
-        if title is None:
-            totals = self.totals()
-            wait = totals.get((TRAIN_LANE, "wait"), 0.0)
-            busy = totals.get((TRAIN_LANE, "busy"), 0.0)
-            title = (f"training loop waited {wait:.2f} s of {wait + busy:.2f} s "
-                     f"({100.0 * wait / (wait + busy):.0f}%)" if wait + busy > 0
-                     else "gluon_stream timeline (no training-loop spans yet)")
-        ax.set_title(title)
-        if labelled:
-            ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
-        if not spans:
-            ax.text(0.5, 0.5, "no spans recorded", transform=ax.transAxes, ha="center")
+        return plot_timeline(self, path, ax=ax, title=title)
 
     def to_chrome_trace(self, path: str | os.PathLike) -> str:
-        """Write the spans as a Chrome/Perfetto trace (JSON), one thread per lane.
-
-        Open it in ``chrome://tracing`` or https://ui.perfetto.dev, next to MXNet's own
-        profiler output. Times are microseconds since the :class:`Stats` was created.
-
-        Returns:
-            The path written.
+        """Write the spans as a Chrome/Perfetto trace; returns the path
+        (see :func:`gluon_stream.timeline.write_chrome_trace`).
 
         Example:
             >>> loader.stats.to_chrome_trace("trace.json")  # doctest: +SKIP
             'trace.json'
         """
-        pid = os.getpid()
-        lanes = self.lanes()
-        tids = {lane: i + 1 for i, lane in enumerate(lanes)}
-        events: list[dict] = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
-                               "args": {"name": "gluon_stream"}}]
-        for lane, tid in tids.items():
-            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
-                           "args": {"name": lane}})
-            events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid,
-                           "args": {"sort_index": tid}})
-        for s in self.span_list():
-            event = {"name": s.name, "cat": "gluon_stream", "ph": "X", "pid": pid,
-                     "tid": tids[s.lane], "ts": round(s.start * 1e6, 3),
-                     "dur": round(max(0.0, s.end - s.start) * 1e6, 3)}
-            if s.key is not None:
-                event["args"] = {"key": str(s.key)}
-            events.append(event)
-        path = os.fspath(path)
-        with open(path, "w", encoding="utf-8") as fp:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, fp)
-        logger.info("chrome trace written to %s (%d spans)", path, len(events))
-        return path
-
-
-def make_tqdm(**kwargs: Any) -> Any:
-    """A ``tqdm.auto`` bar without tqdm's monitor thread (which outlives the bar by seconds)."""
-    from tqdm.auto import tqdm
-
-    class _Tqdm(tqdm):  # type: ignore[misc, valid-type]
-        monitor_interval = 0
-
-    return _Tqdm(**kwargs)
-
-
-def _short_lane(lane: str) -> str:
-    return lane.replace("gluon_stream-", "")
-
-
-class ProgressBar:
-    """A tqdm bar for one epoch: batches, samples/s, the share of time the loop waited for data,
-    and the shards already produced ahead.
-
-    ``tqdm.auto`` renders a widget in Jupyter (with ipywidgets installed) and text in a
-    terminal. ``StreamLoader(..., progress=True)`` creates one per epoch.
-
-    Args:
-        epoch: Shown as the bar's description.
-        total: Batches in the epoch, if known.
-        disable: As in tqdm: False shows the bar; None hides it when the output is not a
-            terminal. An explicit ``progress=True`` shows it (the default False).
-        file: Where to write (default: stderr).
-
-    Example:
-        >>> bar = ProgressBar(0, total=2, disable=True)
-        >>> bar.update(EpochRecord(0, batches=1, samples=32, wall_s=0.5), ahead=1)
-        >>> bar.close()
-    """
-
-    REFRESH_S = 0.2
-
-    def __init__(self, epoch: int, total: int | None, *, disable: bool | None = False,
-                 file: Any = None) -> None:
-        self._bar = make_tqdm(total=total, desc=f"epoch {epoch}", unit="batch", leave=True,
-                              dynamic_ncols=True, disable=disable, file=file)
-        self._last = -float("inf")
-        self._postfix: dict = {}
-        self._record: EpochRecord | None = None
-
-    def update(self, record: EpochRecord, ahead: int) -> None:
-        """Advance by one batch; refresh samples/s, waiting share and shards ahead."""
-        self._record = record
-        now = time.monotonic()
-        if now - self._last >= self.REFRESH_S:
-            self._last = now
-            self._set_postfix(record, ahead)
-        self._bar.update(1)
-
-    def _set_postfix(self, record: EpochRecord, ahead: int) -> None:
-        wall = record.wall_s if record.wall_s > 0 else 1e-9
-        self._postfix = {"samples/s": f"{record.samples / wall:,.0f}",
-                         "waiting": f"{100.0 * record.stall_s / wall:.0f}%", "ahead": ahead}
-        self._bar.set_postfix(self._postfix, refresh=False)
-
-    @property
-    def postfix(self) -> dict:
-        """The figures shown last (samples/s, waiting share, shards ahead)."""
-        return dict(self._postfix)
-
-    def close(self, record: EpochRecord | None = None) -> None:
-        """Show the epoch's final figures and close the bar.
-
-        Args:
-            record: The finished epoch's record; default: the one last passed to
-                :meth:`update` (the loader completes it before closing the bar).
-        """
-        record = record if record is not None else self._record
-        if record is not None:
-            self._set_postfix(record, 0)
-        self._bar.close()
+        return write_chrome_trace(self, path)

@@ -5,6 +5,11 @@ while the consumer works on the current one; at most ``prefetch`` shards are eve
 ahead of it, so at most ``prefetch + 1`` shards are held at once. Threads, not
 processes: generation runs in external processes or in numpy code that releases the
 GIL, and nothing has to be forked or pickled.
+
+The contract with a consumer such as :class:`~gluon_stream.StreamLoader` is public:
+:meth:`ShardStream.start_epoch` begins a pass (optionally with a ``prepare`` step that runs in
+the producer threads, e.g. copying the shard into an NDArray) and returns an
+:class:`EpochRun`, whose :meth:`~EpochRun.next_shard` hands out the shards in order.
 """
 from __future__ import annotations
 
@@ -21,20 +26,28 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from . import _validate
 from ._closing import Closing
+from ._mx import require_mxnet
 from .distributed import resolve_parts
-from .errors import CorruptShard, LoaderClosed, SchemaMismatch, UnsafeShard
+from .errors import LoaderClosed, SchemaMismatch, add_note
+from .retry import ErrorPolicy, is_permanent
 from .shardfile import normalize_arrays
 from .sources import RawShard, Source
 from .stats import ShardRecord, Stats
 
-__all__ = ["Shard", "ShardStream"]
+__all__ = ["EpochRun", "Prepare", "Shard", "ShardStream"]
 
 logger = logging.getLogger(__name__)
 
 WAIT_SLICE_S = 0.5  # how often a waiting consumer re-checks for close()
 CLOSE_WAIT_S = 2.0  # how long close() waits for producer threads to finish their shard
 _END = object()
+
+#: ``prepare(arrays, order) -> arrays``: run in the producer thread after the transform, it
+#: returns the shard's arrays in ``order`` (a permutation of the rows, or None) in whatever
+#: form the consumer wants them (NDArrays, shared memory, ...).
+Prepare = Callable[[tuple, "np.ndarray | None"], tuple]
 
 
 @dataclass
@@ -45,8 +58,7 @@ class Shard:
     epoch: int
     index: int
     arrays: tuple
-    record: ShardRecord = field(repr=False, default=None)
-    extra: Any = field(repr=False, default=None)
+    record: ShardRecord | None = field(repr=False, default=None)
 
     def __len__(self) -> int:
         return int(self.arrays[0].shape[0])
@@ -54,28 +66,16 @@ class Shard:
     @property
     def dataset(self) -> Any:
         """A ``gluon.data.ArrayDataset`` over the shard's arrays."""
-        from ._compat import gluon, require_mxnet
-
-        require_mxnet()
-        return gluon.data.ArrayDataset(*self.arrays)
+        return require_mxnet().gluon.data.ArrayDataset(*self.arrays)
 
 
-def _parse_on_error(on_error: Any) -> tuple[str, int]:
-    if on_error in ("raise", "skip"):
-        return on_error, 0
-    if (isinstance(on_error, (tuple, list)) and len(on_error) == 2 and on_error[0] == "retry"
-            and isinstance(on_error[1], int) and on_error[1] >= 1):
-        return "retry", on_error[1]
-    raise ValueError(f"on_error must be 'raise', 'skip' or ('retry', n) with n >= 1, "
-                     f"got {on_error!r}")
-
-
-def schema_of(arrays: Sequence[np.ndarray]) -> list[tuple[str, tuple]]:
+def schema_of(arrays: Sequence[Any]) -> list[tuple[str, tuple]]:
     """(dtype, trailing shape) of each array: what must agree between shards to batch them."""
     return [(np.dtype(a.dtype).str, tuple(a.shape[1:])) for a in arrays]
 
 
-def _seed_sequence(*parts: int) -> np.random.Generator:
+def seeded_rng(*parts: int) -> np.random.Generator:
+    """A generator seeded deterministically from integers (seed, epoch, purpose, ...)."""
     return np.random.default_rng(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]))
 
 
@@ -128,6 +128,7 @@ class ShardStream(Closing):
             count it in stats), or ``('retry', n)``.
         schema: Expected ``[(dtype, trailing_shape), ...]`` per array; by default the first
             shard's schema is expected of all later ones.
+        stats: A :class:`~gluon_stream.Stats` to record into (default: a new one).
         num_parts, part_index: Train on part ``part_index`` of ``num_parts`` (one per rank):
             each epoch's shards are dealt to the parts deterministically from ``(seed, epoch)``,
             differently each epoch. ``'auto'`` reads them from ``kvstore``, Horovod or the
@@ -153,16 +154,15 @@ class ShardStream(Closing):
         if not isinstance(source, Source):
             raise TypeError(f"source must be a CommandSource, FunctionSource or FileSource, got "
                             f"{type(source).__name__}")
-        if not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
+        prefetch = _validate.integer("prefetch", prefetch, minimum=0)
         self._remote = producers if isinstance(producers, cf.Executor) else None
         if self._remote is not None:
             producers = prefetch + 1  # local threads only wait for, load and transform shards
-        elif not isinstance(producers, int) or isinstance(producers, bool) or producers < 1:
-            raise ValueError(f"producers must be an integer >= 1 or a concurrent.futures.Executor, "
-                             f"got {producers!r}")
-        if transform is not None and not callable(transform):
-            raise TypeError(f"transform must be callable, got {type(transform).__name__}")
+        else:
+            producers = _validate.integer(
+                "producers", producers, minimum=1,
+                hint="or pass a concurrent.futures.Executor")
+        _validate.callable_or_none("transform", transform)
         self.source = source
         self.transform = transform
         self.prefetch = prefetch
@@ -175,26 +175,28 @@ class ShardStream(Closing):
         if seed is None and self.shuffle:
             seed = int(np.random.SeedSequence().entropy % (2 ** 31))
             logger.info("shuffle=True without a seed: using seed=%d", seed)
-        self.seed = 0 if seed is None else int(seed)
-        self.on_error, self._retries = _parse_on_error(on_error)
+        self.seed = 0 if seed is None else _validate.integer("seed", seed)
+        self.error_policy = ErrorPolicy.parse(on_error)
         self._schema = ([(np.dtype(d).str, tuple(s)) for d, s in schema]
                         if schema is not None else None)
         self.stats = stats if stats is not None else Stats()
         self.epoch = 0
         self._epoch_set = False
-        # set by StreamLoader's vectorised path: finisher(shard, order) replaces the shard's
-        # arrays by NDArrays holding its rows in ``order`` (None: as they are)
-        self._finisher: Callable[[Shard, np.ndarray | None], None] | None = None
-        self._next_run: _EpochRun | None = None
+        self._next_run: EpochRun | None = None
         self._sizes: dict[tuple, int] = {}
         self._shard_sizes = shard_sizes
         self._res = _Resources(source, producers)
         self._finalizer = weakref.finalize(self, self._res.close)
 
     # -- configuration ------------------------------------------------------------------
+    @property
+    def on_error(self) -> str:
+        """``'raise'``, ``'skip'`` or ``'retry'`` (see :attr:`error_policy` for the count)."""
+        return self.error_policy.mode
+
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch the next iteration produces (its keys, shuffle and cache entries)."""
-        self.epoch = int(epoch)
+        self.epoch = _validate.integer("epoch", epoch, minimum=0)
         self._epoch_set = True
 
     @property
@@ -216,11 +218,11 @@ class ShardStream(Closing):
             return itertools.islice(keys, part, None, self.num_parts), False, None
         keys = list(keys)
         if self.num_parts > 1 and keys:  # deal shards to parts, differently each epoch
-            dealt = _seed_sequence(self.seed, epoch, 0xDEA1).permutation(len(keys))
+            dealt = seeded_rng(self.seed, epoch, 0xDEA1).permutation(len(keys))
             mine = dealt[part::self.num_parts]
             keys = [keys[i] for i in (mine if self.shuffle else np.sort(mine))]
         elif self.shuffle and keys:
-            order = _seed_sequence(self.seed, epoch, 0x5EED).permutation(len(keys))
+            order = seeded_rng(self.seed, epoch, 0x5EED).permutation(len(keys))
             keys = [keys[i] for i in order]
         return iter(keys), True, keys
 
@@ -265,8 +267,14 @@ class ShardStream(Closing):
         finally:
             run.cancel()
 
-    def start_epoch(self, skip: int = 0) -> "_EpochRun":
-        """Begin producing the current epoch after ``skip`` shards; cancels any unfinished pass."""
+    def start_epoch(self, skip: int = 0, prepare: Prepare | None = None) -> "EpochRun":
+        """Begin producing the current epoch after ``skip`` shards; cancels any unfinished pass.
+
+        ``prepare(arrays, order)``, if given, runs in the producer threads after the transform
+        and returns the shard's arrays in ``order`` in the form the consumer wants; without it
+        the rows are permuted with numpy. The same ``prepare`` is used for the next epoch's
+        shards produced ahead.
+        """
         self.check_open()
         epoch = self.epoch
         if not self._epoch_set:
@@ -276,30 +284,35 @@ class ShardStream(Closing):
         for old in list(self._res.runs):
             if old is not ahead:
                 old.cancel()
-        if ahead is not None and ahead.epoch == epoch and not skip and not ahead.cancelled:
+        if (ahead is not None and ahead.epoch == epoch and not skip and not ahead.cancelled
+                and ahead.prepare is prepare):
             return ahead  # its first shards were produced while the last epoch ended
         if ahead is not None:
             ahead.cancel()
-        run = _EpochRun(self, epoch, skip)
+        return self._new_run(epoch, skip, prepare)
+
+    def _new_run(self, epoch: int, skip: int, prepare: Prepare | None) -> "EpochRun":
+        run = EpochRun(self, epoch, skip, prepare)
         self._res.runs.add(run)
         return run
 
-    def _run_ahead(self, epoch: int) -> "_EpochRun | None":
+    def _run_ahead(self, epoch: int, prepare: Prepare | None) -> "EpochRun":
         """The pass of the epoch after this one, started early to hide its first shards' cost."""
-        if self._next_run is None or self._next_run.epoch != epoch:
-            if self._next_run is not None:
-                self._next_run.cancel()
-            self._next_run = _EpochRun(self, epoch)
-            self._res.runs.add(self._next_run)
+        ahead = self._next_run
+        if ahead is None or ahead.epoch != epoch or ahead.prepare is not prepare:
+            if ahead is not None:
+                ahead.cancel()
+            self._next_run = self._new_run(epoch, 0, prepare)
         return self._next_run
 
-    def produce_now(self, key: Any, epoch: int) -> Shard:
+    def produce_now(self, key: Any, epoch: int, prepare: Prepare | None = None) -> Shard:
         """Produce one shard in the calling thread, exactly as the producers would (for resume)."""
         self.check_open()
-        return self._produce(key, epoch, -1, None)
+        return self._produce(key, epoch, -1, None, prepare)
 
-    def _produce(self, key: Any, epoch: int, index: int, run: "_EpochRun | None") -> Shard:
-        """Runs in a producer thread: generate/load, transform, shuffle, finish."""
+    def _produce(self, key: Any, epoch: int, index: int, run: "EpochRun | None",
+                 prepare: Prepare | None) -> Shard:
+        """Runs in a producer thread: generate/load, transform, shuffle, prepare."""
         if run is not None and run.cancelled:
             raise LoaderClosed("epoch pass cancelled")
         lane = threading.current_thread().name
@@ -314,21 +327,20 @@ class ShardStream(Closing):
             try:
                 value = self.transform(arg)
             except Exception as exc:
-                exc.add_note(f"gluon_stream: raised by transform on shard {key!r} "
-                             f"(file {raw.path!r}, epoch {epoch})")
+                add_note(exc, f"gluon_stream: raised by transform on shard {key!r} "
+                              f"(file {raw.path!r}, epoch {epoch})")
                 raise
             arrays = normalize_arrays(value, what=f"transform output of shard {key!r}")
         order = None
         if self.shuffle and len(arrays[0]) > 1:
-            order = _seed_sequence(self.seed, epoch, key_hash(key)).permutation(len(arrays[0]))
-        if self._finisher is not None:  # it applies the order while copying (no extra copy)
-            shard = Shard(key, epoch, index, arrays)
-            if not (run is not None and run.cancelled):
-                self._finisher(shard, order)
-        else:
-            if order is not None:
-                arrays = tuple(np.take(a, order, axis=0) for a in arrays)
-            shard = Shard(key, epoch, index, arrays)
+            order = seeded_rng(self.seed, epoch, key_hash(key)).permutation(len(arrays[0]))
+        if run is not None and run.cancelled:
+            raise LoaderClosed("epoch pass cancelled")
+        if prepare is not None:  # it applies the order while copying (no extra copy)
+            arrays = prepare(arrays, order)
+        elif order is not None:
+            arrays = tuple(np.take(a, order, axis=0) for a in arrays)
+        shard = Shard(key, epoch, index, arrays)
         t2 = clock()
         gen_end = t0 + raw.generate_s
         load_end = gen_end + raw.load_s
@@ -349,25 +361,32 @@ class ShardStream(Closing):
                 f"[(dtype, trailing shape)], but {self._schema} was expected (from the first "
                 "shard or schema=); every shard must batch together")
 
+    def _remember_size(self, key: Any, epoch: int, size: int) -> None:
+        self._sizes[(key, epoch)] = size
+        if not self.source.per_epoch:
+            self._sizes[(key, None)] = size
+
     # -- lifecycle ------------------------------------------------------------------------
     def close(self) -> None:
         """Stop producers, kill running generators and release everything; idempotent."""
         self._finalizer()
 
 
-def _permanent(exc: BaseException) -> bool:
-    """Failures that producing the shard again cannot fix: not worth a retry."""
-    if isinstance(exc, (SchemaMismatch, UnsafeShard)) or getattr(exc, "disk_full", False):
-        return True
-    return isinstance(exc, ValueError) and not isinstance(exc, CorruptShard)  # e.g. a bad key
+class EpochRun:
+    """One pass over an epoch's keys: a window of futures, handed out in order.
 
+    Attributes:
+        epoch: The epoch this pass produces.
+        index: Position in the epoch of the next shard to be submitted.
+        skipped: Shards dropped by ``on_error='skip'`` so far.
+        last_wait_s: How long the last :meth:`next_shard` waited for its shard to be produced.
+    """
 
-class _EpochRun:
-    """One pass over an epoch's keys: a window of futures, consumed in order."""
-
-    def __init__(self, stream: ShardStream, epoch: int, skip: int = 0) -> None:
+    def __init__(self, stream: ShardStream, epoch: int, skip: int = 0,
+                 prepare: Prepare | None = None) -> None:
         self.stream = stream
         self.epoch = epoch
+        self.prepare = prepare
         self.keys, self.finite, self.key_list = stream.epoch_keys(epoch)
         self.keys = itertools.islice(self.keys, skip, None)  # resume: not produced again
         self.pending: collections.deque = collections.deque()
@@ -375,12 +394,11 @@ class _EpochRun:
         self.cancelled = False
         self.skipped = 0
         self.exhausted = False
-        self.last_wait_s = 0.0  # time the consumer waited for the last shard to be produced
-        self.rotation_start: float | None = None  # set by the loader at a shard boundary
-        self.rotation_wait = 0.0
+        self.last_wait_s = 0.0
 
     def _submit(self, key: Any, index: int) -> cf.Future:
-        return self.stream._res.executor.submit(self.stream._produce, key, self.epoch, index, self)
+        return self.stream._res.executor.submit(self.stream._produce, key, self.epoch, index,
+                                                self, self.prepare)
 
     def _fill(self, depth: int, ahead: bool = True) -> None:
         while len(self.pending) < depth and not self.exhausted:
@@ -395,7 +413,7 @@ class _EpochRun:
             # the window has room: start on the next epoch (the one set_epoch(e + 1) or the
             # next pass will ask for); a different epoch discards it
             try:
-                nxt = self.stream._run_ahead(self.epoch + 1)
+                nxt = self.stream._run_ahead(self.epoch + 1, self.prepare)
             except Exception as exc:  # keys(epoch + 1) failed: it raises again when that epoch starts
                 logger.debug("not starting epoch %d early: %s: %s", self.epoch + 1,
                              type(exc).__name__, exc)
@@ -428,6 +446,7 @@ class _EpochRun:
 
     def _wait(self, key: Any, index: int, fut: cf.Future) -> Shard | None:
         stream = self.stream
+        policy = stream.error_policy
         attempts = 0
         while True:
             try:
@@ -437,15 +456,14 @@ class _EpochRun:
                 raise
             except Exception as exc:
                 summary = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                if (stream.on_error == "retry" and attempts < stream._retries
-                        and not _permanent(exc)):
+                if policy.mode == "retry" and attempts < policy.retries and not is_permanent(exc):
                     attempts += 1
                     logger.warning("shard %r failed (%s); retry %d/%d", key, summary, attempts,
-                                   stream._retries)
+                                   policy.retries)
                     logger.debug("shard %r failure in full: %s", key, exc)
                     fut = self._submit(key, index)
                     continue
-                if stream.on_error == "skip":
+                if policy.mode == "skip":
                     logger.warning("skipping shard %r (epoch %d): %s", key, self.epoch, summary)
                     logger.debug("shard %r failure in full: %s", key, exc)
                     self.skipped += 1
@@ -454,9 +472,7 @@ class _EpochRun:
                     return None
                 raise
             stream.stats.add_shard(shard.record)
-            stream._sizes[(key, self.epoch)] = len(shard)
-            if not getattr(stream.source, "_per_epoch", False):
-                stream._sizes[(key, None)] = len(shard)
+            stream._remember_size(key, self.epoch, len(shard))
             logger.info("shard %r ready: %d samples (generate %.2f s, load %.2f s, "
                         "transform %.2f s%s)", key, len(shard), shard.record.generate_s,
                         shard.record.load_s, shard.record.transform_s,
@@ -486,4 +502,3 @@ class _EpochRun:
         while self.pending:
             _, _, fut = self.pending.popleft()
             fut.cancel()
-

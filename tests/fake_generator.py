@@ -218,3 +218,28 @@ def read_lines(path) -> list[str]:
             return [line for line in fp.read().splitlines() if line]
     except FileNotFoundError:
         return []
+
+
+def hidden_files(directory) -> list[str]:
+    """Temp and lock files (dot files) left in a cache directory."""
+    return sorted(n for n in os.listdir(directory) if n.startswith("."))
+
+
+def command_source(tmp_path, mode="ok", keys=("k1",), **kw):
+    """A CommandSource over this generator in ``mode``, runs counted in ``tmp_path``."""
+    import gluon_stream as gs
+
+    kw.setdefault("retries", 0)
+    kw.setdefault("backoff", 0.01)
+    kw.setdefault("timeout", 20)
+    gate = kw.pop("gate", False)
+    modes = kw.pop("modes", None)
+    rows = kw.pop("rows", 10)
+    return gs.CommandSource(list(keys), command(mode, workdir=tmp_path, modes=modes, gate=gate,
+                                                rows=rows),
+                            cache_dir=tmp_path / "cache", **kw)
+
+
+def generator_runs(tmp_path) -> list[str]:
+    """One line per generator run so far."""
+    return read_lines(tmp_path / "count")

@@ -1,12 +1,15 @@
+import os
 import subprocess
 import sys
 import types
+
+import pytest
 
 import gluon_stream as gs
 
 
 def test_all_is_exported():
-    public = {n for n in vars(gs) if not n.startswith("_")
+    public = {n for n in dir(gs) if not n.startswith("_")
               and not isinstance(getattr(gs, n), types.ModuleType)}
     assert set(gs.__all__) - {"__version__"} == public
     assert gs.__all__ == sorted(gs.__all__)
@@ -31,3 +34,40 @@ def test_import_without_mxnet_names_the_extra():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "ERR" in out.stdout, out.stderr
     assert "gluon_stream[cpu]" in out.stdout and "[cu112]" in out.stdout
+
+
+@pytest.mark.mxnet
+def test_docstring_examples_run():
+    """Every module's examples run (those that need files or a loader are marked +SKIP)."""
+    import doctest
+    import importlib
+    import pkgutil
+
+    attempted = 0
+    for info in pkgutil.walk_packages(gs.__path__, "gluon_stream."):
+        if info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0, info.name
+        attempted += result.attempted
+    assert attempted >= 20
+
+
+PURE_TESTS = ["test_batching.py", "test_cache.py", "test_keys.py", "test_shardfile.py",
+              "test_sources.py", "test_stats.py", "test_validate.py", "test_retry.py"]
+
+
+def test_the_pure_python_parts_are_tested_without_mxnet(tmp_path):
+    """With ``import mxnet`` failing, the tests of every module that needs no MXNet pass
+    (the ones marked ``mxnet`` are deselected)."""
+    blocker = tmp_path / "mxnet"
+    blocker.mkdir()
+    (blocker / "__init__.py").write_text("raise ImportError('mxnet blocked by the test')\n")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path)] + sys.path))
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "-m", "not mxnet", *PURE_TESTS], cwd=here, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout and "error" not in out.stdout.splitlines()[-1]

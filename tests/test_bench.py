@@ -10,9 +10,11 @@ import mxnet as mx
 import pytest
 
 import gluon_stream as gs
-from conftest import id_shards
-from gluon_stream import bench
+from _helpers import id_shards
+from gluon_stream.tools import bench
 from gluon_stream.cli import main
+
+pytestmark = pytest.mark.mxnet  # these tests use MXNet: warm its engine first
 
 SIZES = [10, 7, 3, 0, 12, 5]  # leftovers at every boundary, an empty shard, one under a batch
 BS = 4

@@ -10,20 +10,12 @@ import sys
 import numpy as np
 import pytest
 
-from gluon_stream import generator
-from gluon_stream.cli import _build_parser, expand_keys, main
+from gluon_stream.cli import build_parser, expand_keys, main
+from gluon_stream.tools import generator
 
 GEN = shlex.join(generator.generator_command(rows=50, num_inputs=3))
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _warm_matplotlib(tmp_path_factory):
-    """matplotlib opens its font files lazily and keeps them open: not a leak of ours."""
-    from gluon_stream.stats import Stats
-
-    stats = Stats()
-    stats.add_span("train", "busy", stats.origin, stats.origin + 1)
-    stats.plot(tmp_path_factory.mktemp("warm") / "warm.png")
+pytestmark = pytest.mark.usefixtures("warm_matplotlib")
 
 
 def one_error_line(err: str, *needles: str) -> None:
@@ -33,7 +25,7 @@ def one_error_line(err: str, *needles: str) -> None:
 
 
 def subcommands() -> list[str]:
-    parser = _build_parser()
+    parser = build_parser()
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return sorted(action.choices)
 
@@ -165,6 +157,7 @@ def test_expand_keys_ranges():
 
 
 # -- demo -----------------------------------------------------------------------------------
+@pytest.mark.mxnet
 def test_demo_trains_prints_a_table_and_writes_the_timeline(tmp_path, capsys):
     png, trace = tmp_path / "timeline.png", tmp_path / "trace.json"
     assert main(["demo", "--shards", "3", "--rows", "120", "--inputs", "3", "--time-steps", "4",

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 import gluon_stream as gs
-from conftest import id_shards
+from _helpers import id_shards
+
+pytestmark = pytest.mark.mxnet  # these tests use MXNet: warm its engine first
 
 SIZES = [7, 10, 5]  # 22 samples: not multiples of the batch size, a shard smaller than one batch
 

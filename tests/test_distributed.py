@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 import gluon_stream as gs
-from conftest import batch_ids, id_shards
+from _helpers import batch_ids, id_shards
 from gluon_stream.distributed import resolve_parts
+
+pytestmark = pytest.mark.mxnet  # these tests use MXNet: warm its engine first
 
 SIZES = [7, 2, 0, 9, 5, 6, 11, 3, 1, 8]  # awkward sizes, one empty shard
 
@@ -116,7 +118,7 @@ WORKER = """
 import json, sys
 import gluon_stream as gs
 sys.path.insert(0, {tests!r})
-from conftest import id_shards, batch_ids
+from _helpers import id_shards, batch_ids
 sizes = {sizes!r}
 src = gs.FunctionSource(range(len(sizes)), id_shards(sizes))
 with gs.StreamLoader(src, batch_size=4, num_parts="auto", part_index="auto", seed=1,

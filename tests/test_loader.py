@@ -13,17 +13,15 @@ import numpy as np
 import pytest
 
 import gluon_stream as gs
-from conftest import batch_ids, id_shards
+from _helpers import all_ids, batch_ids, id_shards
+
+pytestmark = pytest.mark.mxnet  # these tests use MXNet: warm its engine first
 
 SIZES = [7, 0, 3, 12, 5, 10]  # not multiples of 4, one empty shard, one smaller than a batch
 BS = 4
 DATALOADER = {"batchify_fn": mx.gluon.data.dataloader.default_batchify_fn}
 PATHS = {"vectorised": {}, "dataloader": DATALOADER,
          "dataloader-2-threads": dict(DATALOADER, num_workers=2)}
-
-
-def all_ids(sizes, start=0):
-    return sorted(1000 * k + i + start for k, n in enumerate(sizes) for i in range(n))
 
 
 def make_loader(sizes=SIZES, **kw):
@@ -239,24 +237,6 @@ def test_bad_arguments_name_the_argument(bad):
     kw.update(bad)
     with pytest.raises(ValueError, match=next(iter(bad))):
         make_loader(**kw)
-
-
-def test_stream_settings_must_be_set_on_the_stream():
-    stream = gs.ShardStream(gs.FunctionSource([0], id_shards([4])), shuffle=True, seed=0)
-    with pytest.raises(ValueError, match="ShardStream"):
-        gs.StreamLoader(stream, batch_size=2, shuffle=True)
-    with gs.StreamLoader(stream, batch_size=2) as loader:
-        assert sorted(i for b in loader for i in batch_ids(b)) == [0, 1, 2, 3]
-    stream.close()
-
-
-def test_shard_stream_yields_shards_in_order_with_datasets():
-    with gs.ShardStream(gs.FunctionSource(range(4), id_shards([3, 0, 2, 5])), prefetch=1) as s:
-        shards = list(s)
-    assert [(sh.key, sh.index, len(sh)) for sh in shards] == [(0, 0, 3), (1, 1, 0), (2, 2, 2),
-                                                             (3, 3, 5)]
-    assert isinstance(shards[3].dataset, mx.gluon.data.ArrayDataset)
-    assert shards[3].dataset[1][0] == 3001
 
 
 GENERATOR = """\

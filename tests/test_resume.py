@@ -7,7 +7,9 @@ import mxnet as mx
 import pytest
 
 import gluon_stream as gs
-from conftest import batch_ids
+from _helpers import batch_ids
+
+pytestmark = pytest.mark.mxnet  # these tests use MXNet: warm its engine first
 
 SIZES = {k: n for k, n in zip(range(100), [7, 2, 0, 9, 5, 6] * 17)}
 EPOCHS = 3

@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import threading
@@ -19,30 +18,10 @@ import psutil
 import pytest
 
 import gluon_stream as gs
-from conftest import JOIN_S, dead, wait_for
-from fake_generator import command, read_lines, shard_values
-from gluon_stream import sources
-
-def hidden_files(directory) -> list[str]:
-    """Temp and lock files (dot files) left in a cache directory."""
-    return sorted(n for n in os.listdir(directory) if n.startswith("."))
-
-
-def source(tmp_path, mode="ok", keys=("k1",), **kw):
-    kw.setdefault("retries", 0)
-    kw.setdefault("backoff", 0.01)
-    kw.setdefault("timeout", 20)
-    gate = kw.pop("gate", False)
-    modes = kw.pop("modes", None)
-    rows = kw.pop("rows", 10)
-    return gs.CommandSource(list(keys), command(mode, workdir=tmp_path, modes=modes, gate=gate,
-                                                rows=rows),
-                            cache_dir=tmp_path / "cache", **kw)
-
-
-def runs(tmp_path) -> list[str]:
-    return read_lines(tmp_path / "count")
-
+from _helpers import JOIN_S, dead, wait_for
+from fake_generator import (command, command_source as source, generator_runs as runs,
+                            hidden_files, read_lines, shard_values)
+from gluon_stream.sources import _process
 
 # -- generator failures ------------------------------------------------------------------------
 
@@ -128,173 +107,15 @@ def test_the_pickle_payload_is_really_hostile(tmp_path):
         gs.load_shard(out)
 
 
-def test_a_corrupt_cached_shard_is_deleted_and_regenerated(tmp_path):
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    (cache / "k1.npy").write_bytes(b"\x93NUMPY\x01\x00garbage")
-    with source(tmp_path, "ok") as src:
-        raw = src.produce("k1", 0)
-        assert not raw.cache_hit
-    np.testing.assert_array_equal(raw.arrays[0], shard_values("k1", 10, 3))
-    assert len(runs(tmp_path)) == 1
-    assert os.listdir(cache) == ["k1.npy"]
-
-
 def test_stderr_capture_is_bounded(tmp_path):
     with source(tmp_path, "stderr-flood") as src:
         with pytest.raises(gs.ShardError, match=r"exit code 4") as info:
             src.produce("k1", 0)
     tail = info.value.stderr_tail
-    assert tail.endswith("flood done") and len(tail) <= sources.STDERR_TAIL_BYTES
+    assert tail.endswith("flood done") and len(tail) <= _process.STDERR_TAIL_BYTES
 
 
 # -- atomic writes, locks, cleanup ---------------------------------------------------------
-
-@pytest.mark.timeout(60)
-def test_a_reader_polling_the_cache_never_sees_a_partial_file(tmp_path):
-    src = source(tmp_path, "slow", rows=2000, gate=True)
-    result = {}
-    worker = threading.Thread(target=lambda: result.update(raw=src.produce("k1", 0)),
-                              name="gluon_stream-test-producer")
-    worker.start()
-    try:
-        wait_for(lambda: read_lines(tmp_path / "started"), what="the first half to be written")
-        # half the shard is on disk now, in a temp file: the final name must not exist yet
-        cache = tmp_path / "cache"
-        temps = hidden_files(cache)
-        assert len(temps) == 2 and any(".tmp" in t for t in temps)  # the temp file and the lock
-        assert src._cache.lookup("k1") is None and not (cache / "k1.npy").exists()
-        (tmp_path / "gate").touch()
-        seen_partial = 0
-        while worker.is_alive():  # poll as a concurrent reader would
-            if (cache / "k1.npy").exists():
-                try:
-                    gs.inspect_shard(cache / "k1.npy")
-                except gs.CorruptShard:
-                    seen_partial += 1
-        worker.join(JOIN_S)
-    finally:
-        (tmp_path / "gate").touch()
-        worker.join(JOIN_S)
-        src.close()
-    assert seen_partial == 0
-    np.testing.assert_array_equal(result["raw"].arrays[0], shard_values("k1", 2000, 3))
-    assert hidden_files(tmp_path / "cache") == []
-
-
-_CHILD = r"""
-import sys, numpy as np
-sys.path.insert(0, {tests!r})
-import gluon_stream as gs
-from gluon_stream import sources
-from fake_generator import command
-real_acquire = sources._ShardCache._acquire
-def acquire(self, lock, name):  # instrumented: announce the wait for the key's lock
-    open({waiting!r}, "w").close()
-    return real_acquire(self, lock, name)
-sources._ShardCache._acquire = acquire
-src = gs.CommandSource(["k1"], command("ok", workdir={work!r}, gate=True, rows=50),
-                       cache_dir={cache!r}, retries=0, timeout=60)
-raw = src.produce("k1", 0)
-np.save({out!r}, raw.arrays[0])
-print("hit" if raw.cache_hit else "generated")
-src.close()
-"""
-
-
-def _spawn_child(tmp_path, name):
-    code = _CHILD.format(tests=os.path.dirname(__file__), work=str(tmp_path),
-                         waiting=str(tmp_path / f"waiting-{name}"),
-                         cache=str(tmp_path / "cache"), out=str(tmp_path / f"{name}.npy"))
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-@pytest.mark.timeout(120)
-def test_two_processes_on_the_same_key_share_one_generation(tmp_path):
-    first = _spawn_child(tmp_path, "a")
-    second = None
-    try:
-        wait_for(lambda: read_lines(tmp_path / "started"), 60, "the first generator to start")
-        second = _spawn_child(tmp_path, "b")
-        wait_for((tmp_path / "waiting-b").exists, 60, "the second process to wait on the lock")
-        (tmp_path / "gate").touch()
-        outs = [p.communicate(timeout=JOIN_S) for p in (first, second)]
-    finally:
-        (tmp_path / "gate").touch()
-        for p in (first, second):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.communicate(timeout=JOIN_S)
-    assert [p.returncode for p in (first, second)] == [0, 0], outs
-    assert sorted(o[0].strip() for o in outs) == ["generated", "hit"]
-    assert len(runs(tmp_path)) == 1  # the generator ran exactly once
-    a, b = np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy")
-    np.testing.assert_array_equal(a, b)
-    np.testing.assert_array_equal(a, shard_values("k1", 50, 3))
-    assert hidden_files(tmp_path / "cache") == []
-
-
-@pytest.mark.timeout(120)
-def test_when_the_lock_holder_is_killed_the_waiter_takes_over(tmp_path, monkeypatch):
-    holder = _spawn_child(tmp_path, "a")
-    result, errors = {}, []
-    waiting = threading.Event()
-    real_acquire = sources._ShardCache._acquire
-
-    def acquire(self, lock, name):
-        waiting.set()
-        return real_acquire(self, lock, name)
-
-    monkeypatch.setattr(sources._ShardCache, "_acquire", acquire)
-
-    def wait_then_produce():
-        try:
-            with source(tmp_path, "ok", rows=50) as src:
-                result["raw"] = src.produce("k1", 0)
-        except Exception as exc:  # relayed to the test thread below
-            errors.append(exc)
-
-    waiter = threading.Thread(target=wait_then_produce, name="gluon_stream-test-waiter")
-    try:
-        wait_for(lambda: read_lines(tmp_path / "started"), 60, "the holder's generator to start")
-        generator_pid = int(read_lines(tmp_path / "pids")[0])
-        waiter.start()
-        assert waiting.wait(JOIN_S), "the waiter never asked for the lock"
-        holder.kill()  # SIGKILL: no cleanup runs; the OS drops its lock
-        holder.communicate(timeout=JOIN_S)
-        os.killpg(generator_pid, signal.SIGKILL)  # the orphaned generator (its own session)
-        waiter.join(JOIN_S)
-    finally:
-        if holder.poll() is None:
-            holder.kill()
-            holder.communicate(timeout=JOIN_S)
-        (tmp_path / "gate").touch()
-        if waiter.is_alive() or waiter.ident is not None:
-            waiter.join(JOIN_S)
-    assert not errors, errors
-    assert holder.returncode == -signal.SIGKILL
-    np.testing.assert_array_equal(result["raw"].arrays[0], shard_values("k1", 50, 3))
-    assert len(runs(tmp_path)) == 2  # the dead holder's run, then the waiter's own
-    wait_for(lambda: dead(generator_pid), 5, "the orphaned generator to die")
-    # the dead holder's temp file remains until the next start cleans it up
-    source(tmp_path, "ok").close()
-    assert hidden_files(tmp_path / "cache") == []
-
-
-def test_stale_temp_and_lock_files_are_removed_at_start_but_live_ones_kept(tmp_path):
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-    stale = cache / f".k1.{dead_pid}.deadbeef.tmp.npy"
-    live = cache / f".k2.{os.getpid()}.cafecafe.tmp.npy"
-    lock = cache / ".k3.lock"
-    for path in (stale, live, lock):
-        path.write_bytes(b"partial")
-    source(tmp_path).close()
-    assert hidden_files(cache) == [live.name]
-    live.unlink()
 
 
 def test_disk_full_in_the_generator_is_reported_as_such_and_not_retried(tmp_path):
@@ -323,27 +144,6 @@ def test_disk_full_while_caching_a_function_shard_leaves_no_partial_file(tmp_pat
 
 # -- hostile keys and paths --------------------------------------------------------------------
 
-HOSTILE_KEYS = ["a;touch X", "$(id)", "../../x", "a/b", "", "a\0b", "-rf", "k" * 300,
-                ".hidden", "a b", "x\ny", "..", "`id`"]
-
-
-@pytest.mark.parametrize("key", HOSTILE_KEYS)
-def test_hostile_keys_are_refused_before_any_process_starts(tmp_path, key, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    before = set(os.listdir(tmp_path))
-    src = source(tmp_path, "ok", keys=["good", key])
-    with src:
-        with pytest.raises(ValueError, match=r"shard key .* is not allowed"):
-            src.keys_for_epoch(0)  # the whole epoch is refused up front
-        with pytest.raises(ValueError, match=r"not allowed"):
-            src.produce(key, 0)
-        with pytest.raises(ValueError, match=r"not allowed"), \
-                gs.ShardStream(src) as stream:
-            list(stream)
-    assert runs(tmp_path) == []  # no generator ever ran, not even for the good key
-    assert set(os.listdir(tmp_path)) == before | {"cache"}
-    assert os.listdir(tmp_path / "cache") == []
-
 
 def test_arguments_are_substituted_literally_in_one_pass(tmp_path):
     cache = tmp_path / "{epoch}-{key}"
@@ -352,33 +152,6 @@ def test_arguments_are_substituted_literally_in_one_pass(tmp_path):
     with src:
         argv = src.argv_for("k1", 3, str(cache / "x.npy"))
     assert argv == ["gen", f"--out={cache}/x.npy", "k1", "$HOME;3"]
-
-
-def test_ordinary_keys_pass():
-    import datetime
-
-    for key in ["2024-01-01", 17, datetime.date(2024, 1, 2), "user@host", "a.b_c-d", "x=1,y=2"]:
-        assert sources.validate_key(key) == str(key)
-
-
-def test_a_symlink_in_the_cache_is_not_followed(tmp_path):
-    outside = tmp_path / "outside.npy"
-    np.save(outside, np.arange(4.0))
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    (cache / "k1.npy").symlink_to(outside)
-    with source(tmp_path, "ok") as src, pytest.raises(gs.UnsafeShard, match=r"symlink"):
-        src.produce("k1", 0)
-    assert runs(tmp_path) == [] and outside.exists()
-
-
-def test_a_generator_that_writes_a_symlink_is_refused(tmp_path):
-    with source(tmp_path, "symlink") as src, pytest.raises(gs.UnsafeShard, match=r"symlink"):
-        src.produce("k1", 0)
-    assert not (tmp_path / "cache" / "k1.npy").exists()
-    for name in os.listdir(tmp_path / "cache"):  # only the generator's own outside file is left
-        assert name.endswith(".outside.npy")
-        os.unlink(tmp_path / "cache" / name)
 
 
 # -- close() and waiting ---------------------------------------------------------------------

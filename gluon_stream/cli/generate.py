@@ -1,157 +1,29 @@
-"""The ``gluon-stream`` command line: ``demo``, ``inspect``, ``generate`` and the other subcommands.
-
-Exit status: 0 on success, 1 when some shards are unreadable (``inspect``) or failed to
-generate (``generate``), 2 for bad arguments and other user errors (one line on stderr).
-"""
+"""``gluon-stream generate``: fill a shard cache ahead of training, several generators at once."""
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
 import datetime
-import glob
 import logging
 import os
 import shlex
 import sys
-from typing import Any, NoReturn, Sequence
+from typing import Any, Sequence
 
-from . import bench, demo
-from ._version import __version__
-from .errors import StreamError
+from ..cache import SUFFIXES as SHARD_SUFFIXES
+from ..errors import StreamError
+from ..keys import validate_key
+from ..progress import make_tqdm
+from ..sources import CommandSource
+from ._args import UsageError, non_negative_float, positive_int
 
-__all__ = ["main"]
+__all__ = ["expand_keys", "register", "run_generate"]
 
 logger = logging.getLogger(__name__)
 
-SHARD_SUFFIXES = (".npy", ".npz")
 
-
-class UsageError(Exception):
-    """A bad argument found after parsing; reported in one line with exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line (no usage dump), exit status 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    """argparse type: a float >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
-
-
-def _build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="gluon-stream",
-        description="Feed an MXNet Gluon training loop from shards produced on demand.",
-        epilog="Run 'gluon-stream COMMAND --help' for a command's options.")
-    parser.add_argument("--version", action="version", version=f"gluon_stream {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log INFO lines")
-    subparsers = parser.add_subparsers(dest="subcommand", metavar="COMMAND", required=True,
-                                       parser_class=_Parser)
-    demo.register(subparsers)
-    bench.register(subparsers)
-    _register_inspect(subparsers)
-    _register_generate(subparsers)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit status (2 for user errors, printed in one line).
-
-    Example:
-        >>> main(["inspect", "shards/*.npy"])  # doctest: +SKIP
-        0
-    """
-    try:
-        args = _build_parser().parse_args(argv)
-    except SystemExit as exc:  # --help, --version, or a bad argument (already printed)
-        return exc.code if isinstance(exc.code, int) else 2
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
-    try:
-        with logging_redirect_tqdm():
-            return args.func(args)
-    except (StreamError, ImportError, UsageError) as exc:
-        print(f"gluon-stream {args.subcommand}: error: {exc}", file=sys.stderr)
-        return 2
-
-
-# -- inspect --------------------------------------------------------------------------------
-def _register_inspect(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "inspect", help="list shard files: arrays, shapes, dtypes, sizes; flag unreadable ones",
-        description="Validate shard files without loading their data and list each one's "
-                    "arrays. A directory means its .npy/.npz files. Exit status 1 if any file "
-                    "is unreadable (truncated, corrupt, a pickle, ...).")
-    parser.add_argument("paths", nargs="+", metavar="PATH_OR_GLOB",
-                        help="shard files, glob patterns (quote them) or directories")
-    parser.set_defaults(func=run_inspect)
-
-
-def _expand(patterns: Sequence[str]) -> list[str]:
-    paths: list[str] = []
-    for pattern in patterns:
-        if os.path.isdir(pattern):
-            found = sorted(p for p in glob.glob(os.path.join(glob.escape(pattern), "*"))
-                           if p.endswith(SHARD_SUFFIXES) and os.path.isfile(p))
-        elif glob.has_magic(pattern):
-            found = sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
-        elif os.path.exists(pattern):
-            found = [pattern]
-        else:
-            raise UsageError(f"no such file: {pattern!r}")
-        if not found:
-            raise UsageError(f"no shard files match {pattern!r}")
-        paths.extend(found)
-    return paths
-
-
-def run_inspect(args: argparse.Namespace) -> int:
-    """``gluon-stream inspect``: one line per array, one per unreadable file."""
-    from .shardfile import inspect_shard
-
-    paths = _expand(args.paths)
-    bad = 0
-    print(f"{'key':<28} {'array':<10} {'shape':<22} {'dtype':<9} {'bytes':>12}  path")
-    for path in paths:
-        key = os.path.splitext(os.path.basename(path))[0]
-        try:
-            infos = inspect_shard(path)
-        except (StreamError, OSError) as exc:
-            bad += 1
-            print(f"{key:<28} UNREADABLE: {exc}")
-            continue
-        for info in infos:
-            print(f"{key:<28} {info.name:<10} {str(info.shape):<22} {str(info.dtype):<9} "
-                  f"{info.nbytes:>12,}  {path}")
-    print(f"{len(paths)} files, {len(paths) - bad} readable, {bad} unreadable")
-    return 1 if bad else 0
-
-
-# -- generate -------------------------------------------------------------------------------
-def _register_generate(subparsers: Any) -> None:
+def register(subparsers: Any) -> None:
+    """Add the ``generate`` subcommand."""
     parser = subparsers.add_parser(
         "generate", help="fill a shard cache ahead of training, in parallel",
         description="Run a generator command once per key, in parallel, and keep the shards "
@@ -227,9 +99,6 @@ def _read_keys(args: argparse.Namespace) -> list[str]:
 
 def run_generate(args: argparse.Namespace) -> int:
     """``gluon-stream generate``: produce every key's shard into the cache, in parallel."""
-    from .sources import CommandSource, validate_key
-    from .stats import make_tqdm
-
     try:
         command = shlex.split(args.command)
     except ValueError as exc:

@@ -15,12 +15,13 @@ import logging
 import os
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any
 
-from . import _compat
-from .generator import generator_command, make_windows
-from .loader import StreamLoader
-from .sources import CommandSource
+from .. import CommandSource, StreamLoader
+from .._mx import require_mxnet
+from ..tools.generator import generator_command, make_windows
+from ..tools.models import small_regressor
+from ._args import UsageError, non_negative_float, positive_int
 
 __all__ = ["register", "run_demo"]
 
@@ -29,8 +30,6 @@ logger = logging.getLogger(__name__)
 
 def register(subparsers: Any) -> None:
     """Add the ``demo`` subcommand to the CLI's subparsers."""
-    from .cli import non_negative_float, positive_int
-
     parser = subparsers.add_parser(
         "demo", help="train a small Gluon model on shards generated on demand",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,38 +58,10 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run_demo)
 
 
-def small_regressor(optimizer: str = "adam", learning_rate: float = 1e-3,
-                    lstm_hidden: int | None = None) -> Callable[[Any, Any], Any]:
-    """A small Gluon regressor (an MLP, or an LSTM over the windows' time steps);
-    returns ``train_step(data, label) -> loss`` (one update)."""
-    mx = _compat.require_mxnet()
-    from mxnet import autograd, gluon
-
-    net = gluon.nn.HybridSequential()
-    if lstm_hidden:
-        net.add(gluon.rnn.LSTM(lstm_hidden, layout="NTC"), gluon.nn.Dense(1))
-    else:
-        net.add(gluon.nn.Dense(64, activation="relu"), gluon.nn.Dense(1))
-    net.initialize(mx.init.Xavier())
-    net.hybridize()
-    trainer = gluon.Trainer(net.collect_params(), optimizer, {"learning_rate": learning_rate})
-    loss_fn = gluon.loss.L2Loss()
-
-    def train_step(data: Any, label: Any) -> Any:
-        with autograd.record():
-            loss = loss_fn(net(data), label)
-        loss.backward()
-        trainer.step(data.shape[0])
-        return loss
-    return train_step
-
-
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo; prints per-epoch samples/s, the stats table and where the timeline went."""
-    _compat.require_mxnet()
+    require_mxnet()
     if args.prefetch < 0:
-        from .cli import UsageError
-
         raise UsageError(f"--prefetch must be >= 0, got {args.prefetch}")
 
     start = datetime.date(2024, 1, 1)

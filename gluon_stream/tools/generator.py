@@ -4,7 +4,7 @@ It stands in for a user's C++ program: given a key (a date), it optionally sleep
 cost of producing data), then writes a deterministic raw time series of shape
 ``(rows, num_inputs)`` float32 to ``--out``::
 
-    python -m gluon_stream.generator --key 2024-01-01 --out shard.npy --rows 5000 --delay 0.2
+    python -m gluon_stream.tools.generator --key 2024-01-01 --out shard.npy --rows 5000 --delay 0.2
 
 :func:`make_windows` is the matching transform: sliding windows ``(n, time_steps, num_inputs)``
 plus labels, the time-series case gluon_stream was built for.
@@ -53,7 +53,7 @@ def generator_command(rows: int, num_inputs: int, delay: float = 0.0) -> list[st
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gluon_stream.generator",
+    parser = argparse.ArgumentParser(prog="python -m gluon_stream.tools.generator",
                                      description="Write one deterministic raw shard (.npy).")
     parser.add_argument("--key", required=True, help="shard key, e.g. a date")
     parser.add_argument("--out", required=True, help="path of the .npy file to write")

@@ -1,92 +1,31 @@
-"""The only module that imports MXNet or touches its private attributes.
+"""Gluon DataLoaders driven from outside: built over our own batch lists, supervised, ended.
 
-MXNet 1.9.1 needs ``numpy<1.24`` (it uses ``np.bool``); with a newer numpy its import
-raises AttributeError. Either way gluon_stream still imports, and whatever needs
-MXNet calls :func:`require_mxnet`, which says which extra to install.
+MXNet 1.9.1's ``DataLoader`` waits forever for a batch whose process-pool worker died, ends
+its pool only in ``__del__`` (apache/mxnet#13521), and ``Pool.terminate()`` itself can hang
+(CPython gh-96995). Everything here works around that through MXNet's private attributes,
+which is why it lives behind the MXNet door.
 """
 from __future__ import annotations
 
+import collections
 import glob
 import logging
+import multiprocessing
 import multiprocessing.pool as _mp_pool
 import os
 import pickle
+import signal
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
-import numpy as np
+from ..errors import BatchTimeout, LoaderClosed, WorkerDied
+from . import require_mxnet
+
+__all__ = ["make_dataloader", "pool_batches", "release_dataloader", "remove_worker_shm",
+           "thread_batches", "worker_pool"]
 
 logger = logging.getLogger(__name__)
-
-try:
-    import mxnet as mx
-    from mxnet import gluon, nd
-    from mxnet.gluon.data import dataloader as _dataloader
-
-    DataIterBase = mx.io.DataIter
-    _IMPORT_ERROR: BaseException | None = None
-except (ImportError, AttributeError, OSError) as exc:  # AttributeError: numpy>=1.24
-    mx = gluon = nd = _dataloader = None
-    _IMPORT_ERROR = exc
-
-    class DataIterBase:  # type: ignore[no-redef]
-        """Placeholder for ``mx.io.DataIter`` when MXNet is unavailable."""
-
-INSTALL_HINT = ("gluon_stream needs MXNet 1.9.1 with numpy<1.24: pip install 'gluon_stream[cpu]' "
-                "(or 'gluon_stream[cu112]' for CUDA 11.2; never both)")
-
-
-def require_mxnet() -> Any:
-    """Return the ``mxnet`` module or raise an ImportError that names the extra to install."""
-    if mx is None:
-        raise ImportError(f"{INSTALL_HINT} (import failed: {_IMPORT_ERROR})") from _IMPORT_ERROR
-    return mx
-
-
-def context(pin_memory: bool, pin_device_id: int) -> Any:
-    """The context batches are allocated in: pinned host memory speeds up copies to a GPU."""
-    require_mxnet()
-    return mx.cpu_pinned(pin_device_id) if pin_memory else mx.cpu()
-
-
-GATHER_CHUNK_BYTES = 4 << 20
-
-
-def to_ndarray(array: np.ndarray, ctx: Any, order: np.ndarray | None = None) -> Any:
-    """Copy a numpy array (its rows in ``order``, if given) into a new NDArray of its dtype.
-
-    ``nd.empty`` + ``_sync_copyfrom`` is 4-5x faster than ``nd.array`` and, unlike
-    ``nd.array`` without ``dtype``, keeps int64 as int64. With ``order`` the rows are gathered
-    a few MB at a time straight into the NDArray, so no permuted copy of the whole shard exists.
-    """
-    out = nd.empty(array.shape, ctx=ctx, dtype=array.dtype)
-    if order is None:
-        out._sync_copyfrom(np.ascontiguousarray(array))
-        return out
-    row_bytes = max(1, array.itemsize * int(np.prod(array.shape[1:], dtype=np.int64)))
-    step = max(1, GATHER_CHUNK_BYTES // row_bytes)
-    for begin in range(0, len(order), step):
-        end = min(len(order), begin + step)
-        out[begin:end]._sync_copyfrom(np.take(array, order[begin:end], axis=0))
-    return out
-
-
-def concat(parts: Sequence[Any]) -> Any:
-    """Join NDArrays along the sample axis, in the first part's context.
-
-    ``nd.concat`` of ``cpu_pinned`` inputs returns a ``cpu`` array: pinned batches stay pinned.
-    """
-    if len(parts) == 1:
-        return parts[0]
-    first = parts[0]
-    rows = sum(int(p.shape[0]) for p in parts)
-    out = nd.empty((rows,) + tuple(first.shape[1:]), ctx=first.context, dtype=first.dtype)
-    return nd.concat(*parts, dim=0, out=out)
-
-
-def default_batchify_fn() -> Any:
-    return _dataloader.default_batchify_fn
 
 
 def make_dataloader(dataset: Any, batch_sampler: Any, *, batchify_fn: Any, num_workers: int,
@@ -103,6 +42,7 @@ def make_dataloader(dataset: Any, batch_sampler: Any, *, batchify_fn: Any, num_w
             "num_workers > 0 with thread_pool=False forks a worker process pool, which MXNet can "
             "only do from the main thread (it installs a signal handler); iterate the loader in "
             "the main thread, or use thread_pool=True")
+    gluon = require_mxnet().gluon
     return gluon.data.DataLoader(dataset, batch_sampler=batch_sampler, batchify_fn=batchify_fn,
                                  num_workers=num_workers, thread_pool=thread_pool,
                                  pin_memory=pin_memory, pin_device_id=pin_device_id,
@@ -125,7 +65,8 @@ def prefetch_depth(loader: Any) -> int:
 
 def submit_batch(loader: Any, samples: Sequence[int]) -> Any:
     """Send one batch of sample indices to a process-pool worker, as MXNet's iterator does."""
-    return loader._worker_pool.apply_async(_dataloader._worker_fn,
+    dataloader = require_mxnet().gluon.data.dataloader
+    return loader._worker_pool.apply_async(dataloader._worker_fn,
                                            (list(samples), loader._batchify_fn, None))
 
 
@@ -133,7 +74,9 @@ def receive_batch(loader: Any, result: Any) -> Any:
     """Unpickle a finished batch (NDArrays arrive through shared memory), pinned if asked."""
     batch = pickle.loads(result.get(0))
     if getattr(loader, "_pin_memory", False):
-        batch = _dataloader._as_in_context(batch, mx.cpu_pinned(loader._pin_device_id))
+        mx = require_mxnet()
+        batch = mx.gluon.data.dataloader._as_in_context(batch,
+                                                        mx.cpu_pinned(loader._pin_device_id))
     return batch
 
 
@@ -233,3 +176,106 @@ def remove_worker_shm(pid: int) -> list[str]:
         logger.info("removed %d shared-memory file(s) left by dead DataLoader worker %d",
                     len(removed), pid)
     return removed
+
+
+
+POOL_POLL_S = 0.1  # how often a wait for a process-pool batch checks for dead workers
+WORKER_DEATH_S = 5.0  # how long a failed fetch from a worker waits for its death to show
+
+
+def _describe_key(key: Any) -> str:
+    return f"shard {key!r}" if key is not None else "the current shard"
+
+
+def pool_batches(dataloader: Any, batches: list, timeout: float, key: Any, *, first: int,
+                 total: int) -> Iterator[Any]:
+    """Yield a process-pool DataLoader's batches in order, as MXNet's iterator would, but
+    sleeping in short slices that check whether a worker died and whether ``timeout`` passed."""
+    known: dict = {}
+    dead_workers(dataloader, known)  # remember the workers forked for this shard
+    pending: collections.deque = collections.deque()
+    todo = iter(enumerate(batches, start=first))
+
+    def push() -> None:
+        item = next(todo, None)
+        if item is not None:
+            pending.append((item[0], submit_batch(dataloader, item[1])))
+
+    for _ in range(prefetch_depth(dataloader)):
+        push()
+    while pending:
+        index, result = pending.popleft()
+        push()
+        deadline = time.monotonic() + timeout
+        while not result.ready():
+            result.wait(POOL_POLL_S)
+            if result.ready():
+                break
+            if worker_pool(dataloader) is None:  # released: close() from another thread
+                raise LoaderClosed(f"the loader was closed while waiting for batch {index + 1} "
+                                   f"of {total} of {_describe_key(key)}")
+            dead = dead_workers(dataloader, known)
+            if dead:
+                raise _worker_died(dead, key, index, total)
+            if time.monotonic() >= deadline:
+                raise BatchTimeout(
+                    f"batch {index + 1} of {total} of {_describe_key(key)} took longer than "
+                    f"timeout={timeout:g} s in a DataLoader worker process: sample_transform or "
+                    "batchify_fn is too slow (or stuck); speed it up or raise timeout=")
+        try:
+            batch = receive_batch(dataloader, result)
+        except Exception as exc:
+            # the shared-memory fd of a finished batch is fetched from the worker that made it:
+            # if that worker was just killed, this fails before its death is visible here
+            patience = WORKER_DEATH_S if isinstance(exc, (OSError, EOFError)) else 0.0
+            dead = dead_workers(dataloader, known)
+            deadline = time.monotonic() + patience
+            while not dead and time.monotonic() < deadline:
+                time.sleep(POOL_POLL_S)
+                dead = dead_workers(dataloader, known)
+            if dead:
+                raise _worker_died(dead, key, index, total) from exc
+            exc.add_note(f"gluon_stream: raised in a DataLoader worker process while loading "
+                         f"batch {index + 1} of {total} of {_describe_key(key)}")
+            raise
+        del result
+        yield batch
+        del batch  # a kept exception's frames must not pin shared-memory batches
+
+
+def _worker_died(dead: list, key: Any, index: int, total: int) -> Exception:
+    pid, code = dead[0]
+    if code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"was killed by signal {-code}"
+    else:
+        how = f"exited with code {code}"
+    return WorkerDied(
+        f"DataLoader worker process {pid} {how} while {_describe_key(key)} was loading; batch "
+        f"{index + 1} of {total} and the others it held are lost. Likely out of memory (check "
+        "`dmesg` for the OOM killer) or a crash in sample_transform/batchify_fn: lower "
+        "num_workers, use thread_pool=True, or pass on_error=('retry', n) to redo the lost "
+        "batches in a new pool", pid=pid, signal=-code if code < 0 else None, key=key)
+
+
+def thread_batches(dataloader: Any, timeout: float, key: Any, total: int) -> Iterator[Any]:
+    """A thread-pool or in-process DataLoader's batches, its timeout raised as BatchTimeout."""
+    batches = iter(dataloader)
+    try:
+        index = 0
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except multiprocessing.TimeoutError as exc:
+                raise BatchTimeout(
+                    f"batch {index + 1} of {total} of {_describe_key(key)} took longer than "
+                    f"timeout={timeout:g} s in a DataLoader worker thread: sample_transform or "
+                    "batchify_fn is too slow (or stuck); speed it up or raise timeout=") from exc
+            index += 1
+            yield batch
+    finally:
+        batches.close()

@@ -1,0 +1,61 @@
+"""The only door to MXNet: nothing else in gluon_stream imports ``mxnet`` or touches its privates.
+
+MXNet is imported on first use (:func:`require_mxnet`), not when ``gluon_stream`` is imported,
+so the parts that need no MXNet (sources, shard files, stats, ``gluon-stream inspect``) work
+and start fast where MXNet is missing or broken. MXNet 1.9.1 needs ``numpy<1.24`` (it uses
+``np.bool``); where it cannot be imported, whatever needs it raises an ImportError that says
+which extra to install.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+__all__ = ["INSTALL_HINT", "data_iter_base", "mxnet_available", "require_mxnet"]
+
+INSTALL_HINT = ("gluon_stream needs MXNet 1.9.1 with numpy<1.24: pip install 'gluon_stream[cpu]' "
+                "(or 'gluon_stream[cu112]' for CUDA 11.2; never both)")
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+def _load() -> Any:
+    """Import MXNet once; remember the module or the error."""
+    with _lock:
+        if "mx" not in _state:
+            try:
+                import mxnet
+                import mxnet.gluon.data.dataloader  # noqa: F401  (registers NDArray pickling)
+            except (ImportError, AttributeError, OSError) as exc:  # AttributeError: numpy>=1.24
+                _state["mx"], _state["error"] = None, exc
+            else:
+                _state["mx"], _state["error"] = mxnet, None
+        return _state["mx"]
+
+
+def mxnet_available() -> bool:
+    """Whether MXNet can be imported (imports it if not done yet)."""
+    return _load() is not None
+
+
+def require_mxnet() -> Any:
+    """Return the ``mxnet`` module or raise an ImportError that names the extra to install."""
+    mx = _state.get("mx") or _load()
+    if mx is None:
+        error = _state["error"]
+        raise ImportError(f"{INSTALL_HINT} (import failed: {error})") from error
+    return mx
+
+
+class _DataIterPlaceholder:
+    """Stands in for ``mx.io.DataIter`` when MXNet cannot be imported."""
+
+    def __init__(self, batch_size: int = 0) -> None:
+        self.batch_size = batch_size
+
+
+def data_iter_base() -> type:
+    """``mx.io.DataIter`` (``Module.predict`` checks ``isinstance``), or a placeholder."""
+    mx = _load()
+    return mx.io.DataIter if mx is not None else _DataIterPlaceholder

@@ -1,0 +1,57 @@
+"""NDArrays from numpy arrays: contexts, the one-copy shard conversion, joins across shards."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import require_mxnet
+
+__all__ = ["GATHER_CHUNK_BYTES", "batch_context", "concat", "default_batchify_fn", "to_ndarray"]
+
+GATHER_CHUNK_BYTES = 4 << 20
+
+
+def batch_context(pin_memory: bool, pin_device_id: int) -> Any:
+    """The context batches are allocated in: pinned host memory speeds up copies to a GPU."""
+    mx = require_mxnet()
+    return mx.cpu_pinned(pin_device_id) if pin_memory else mx.cpu()
+
+
+def to_ndarray(array: np.ndarray, ctx: Any, order: np.ndarray | None = None) -> Any:
+    """Copy a numpy array (its rows in ``order``, if given) into a new NDArray of its dtype.
+
+    ``nd.empty`` + ``_sync_copyfrom`` is 4-5x faster than ``nd.array`` and, unlike
+    ``nd.array`` without ``dtype``, keeps int64 as int64. With ``order`` the rows are gathered
+    a few MB at a time straight into the NDArray, so no permuted copy of the whole shard exists.
+    """
+    nd = require_mxnet().nd
+    out = nd.empty(array.shape, ctx=ctx, dtype=array.dtype)
+    if order is None:
+        out._sync_copyfrom(np.ascontiguousarray(array))
+        return out
+    row_bytes = max(1, array.itemsize * int(np.prod(array.shape[1:], dtype=np.int64)))
+    step = max(1, GATHER_CHUNK_BYTES // row_bytes)
+    for begin in range(0, len(order), step):
+        end = min(len(order), begin + step)
+        out[begin:end]._sync_copyfrom(np.take(array, order[begin:end], axis=0))
+    return out
+
+
+def concat(parts: Sequence[Any]) -> Any:
+    """Join NDArrays along the sample axis, in the first part's context.
+
+    ``nd.concat`` of ``cpu_pinned`` inputs returns a ``cpu`` array: pinned batches stay pinned.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    nd = require_mxnet().nd
+    first = parts[0]
+    rows = sum(int(p.shape[0]) for p in parts)
+    out = nd.empty((rows,) + tuple(first.shape[1:]), ctx=first.context, dtype=first.dtype)
+    return nd.concat(*parts, dim=0, out=out)
+
+
+def default_batchify_fn() -> Any:
+    """Gluon's own batchify function (stacks samples into NDArrays)."""
+    return require_mxnet().gluon.data.dataloader.default_batchify_fn

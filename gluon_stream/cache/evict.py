@@ -1,0 +1,104 @@
+"""A bounded cache: ``cache_limit`` parsing and least-recently-used eviction that spares readers.
+
+Readers hold a shared ``flock`` on a shard file while they load it; eviction takes the
+exclusive lock without waiting, so a shard being read anywhere is skipped, never removed
+under its reader.
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from ..shardfile import remove_if_exists
+
+__all__ = ["CacheLimit", "evict_if_unread", "evict_lru", "parse_cache_limit"]
+
+logger = logging.getLogger(__name__)
+
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B)\s*", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
+          "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
+
+
+def parse_cache_limit(limit: int | str | None) -> tuple[int | None, int | None]:
+    """``cache_limit`` as (max shards, max bytes): an int counts shards, ``'20GB'`` is bytes.
+
+    Example:
+        >>> parse_cache_limit("1.5KiB")
+        (None, 1536)
+    """
+    if limit is None:
+        return None, None
+    if isinstance(limit, bool):
+        raise ValueError(f"cache_limit must be a shard count or a size like '20GB', got {limit!r}")
+    if isinstance(limit, int):
+        if limit < 1:
+            raise ValueError(f"cache_limit must keep at least 1 shard, got {limit!r}")
+        return limit, None
+    match = _SIZE.fullmatch(str(limit))
+    if not match:
+        raise ValueError(f"cache_limit must be a shard count or a size like '20GB', '500MB', "
+                         f"'1.5GiB', got {limit!r}")
+    size = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    if size < 1:
+        raise ValueError(f"cache_limit must be positive, got {limit!r}")
+    return None, size
+
+
+@dataclass(frozen=True)
+class CacheLimit:
+    """At most ``max_shards`` shards and ``max_bytes`` bytes (None: no bound)."""
+
+    max_shards: int | None = None
+    max_bytes: int | None = None
+
+    @classmethod
+    def parse(cls, limit: int | str | None) -> "CacheLimit":
+        return cls(*parse_cache_limit(limit))
+
+    @property
+    def bounded(self) -> bool:
+        return self.max_shards is not None or self.max_bytes is not None
+
+    def over(self, count: int, total: int) -> bool:
+        """Whether ``count`` shards of ``total`` bytes exceed the limit."""
+        return ((self.max_shards is not None and count > self.max_shards)
+                or (self.max_bytes is not None and total > self.max_bytes))
+
+
+def evict_lru(shards: Iterable[tuple[float, str, int]], limit: CacheLimit, keep: str,
+              try_evict: Callable[[str], bool]) -> int:
+    """Evict the least recently used of ``shards`` ((last used, path, bytes)) until they fit.
+
+    ``keep`` and every shard ``try_evict`` refuses (one being read) stay. Returns how many
+    were evicted.
+    """
+    shards = sorted(shards)
+    count, total = len(shards), sum(size for _, _, size in shards)
+    evicted = 0
+    for _, path, size in shards:
+        if not limit.over(count, total):
+            break
+        if path.rstrip("/") == keep.rstrip("/") or not try_evict(path):
+            continue
+        count, total, evicted = count - 1, total - size, evicted + 1
+        logger.info("cache_limit: evicted %s (%d shards, %d bytes left)", path, count, total)
+    return evicted
+
+
+def evict_if_unread(path: str) -> bool:
+    """Delete a shard unless someone holds a shared lock on it (is reading it)."""
+    try:
+        fp = open(path, "rb")
+    except FileNotFoundError:
+        return False
+    with fp:
+        try:
+            fcntl.flock(fp.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        remove_if_exists(path)
+        return True

@@ -1,0 +1,84 @@
+"""``gluon-stream bench``: run the benchmarks of :mod:`gluon_stream.tools.bench`, print the tables."""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..tools import bench
+from ._args import UsageError, csv_list, positive_int
+
+__all__ = ["register", "run_bench"]
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``bench`` subcommand to the CLI's subparsers."""
+    parser = subparsers.add_parser(
+        "bench", help="benchmark gluon_stream against MXNet's own ways, interleaved",
+        description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenarios", type=csv_list, default=list(bench.SCENARIOS),
+                        help=f"comma-separated, from {','.join(bench.SCENARIOS)} (default: all)")
+    parser.add_argument("--contenders", type=csv_list, default=None,
+                        help="comma-separated subset (naive and ndarrayiter always run: "
+                             "they are the references)")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds (medians)")
+    parser.add_argument("--shards", type=positive_int, default=6)
+    parser.add_argument("--rows", type=int, default=2576,
+                        help="raw rows per shard (samples = rows - time steps)")
+    parser.add_argument("--inputs", type=positive_int, default=8, help="input columns of the series")
+    parser.add_argument("--time-steps", type=positive_int, default=16, help="window length")
+    parser.add_argument("--batch-size", type=positive_int, default=64)
+    parser.add_argument("--step", choices=("sleep", "cpu"), default="sleep",
+                        help="training step: sleep (an accelerator) or a small Gluon net")
+    parser.add_argument("--step-ms", type=float, default=8.0, help="sleep per batch (ms)")
+    parser.add_argument("--delay", type=float, default=None,
+                        help="generator seconds per shard for every scenario (default: set per "
+                             "scenario from the generation/training ratio)")
+    parser.add_argument("--num-workers", type=int, default=2)
+    parser.add_argument("--producers", type=positive_int, default=2)
+    parser.add_argument("--prefetch", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--throughput-samples", type=positive_int, default=20000,
+                        help="samples of the 30x16 throughput array (the 8-float one gets 5x)")
+    parser.add_argument("--throughput-batch-size", type=positive_int, default=256)
+    parser.add_argument("--memory-rows", type=int, default=20000, help="raw rows per shard")
+    parser.add_argument("--memory-epochs", type=positive_int, default=50)
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
+                        help="skip the untimed warm-up pass")
+    parser.add_argument("--json", metavar="PATH", default=None, help="write the raw figures here")
+    parser.set_defaults(func=run_bench)
+
+
+def _config(args: argparse.Namespace) -> bench.BenchConfig:
+    """The bench configuration from parsed arguments; UsageError for what argparse cannot check."""
+    unknown = set(args.scenarios) - set(bench.SCENARIOS)
+    if unknown:
+        raise UsageError(f"--scenarios: unknown {sorted(unknown)}; choose from {bench.SCENARIOS}")
+    if args.contenders is not None:
+        known = bench.PIPELINE_CONTENDERS + bench.THROUGHPUT_CONTENDERS
+        unknown = set(args.contenders) - set(known)
+        if unknown:
+            raise UsageError(f"--contenders: unknown {sorted(unknown)}; choose from {known}")
+    if args.rows <= args.time_steps:
+        raise UsageError(f"--rows must exceed --time-steps ({args.time_steps}), got {args.rows}")
+    workload = bench.Workload(
+        shards=args.shards, rows=args.rows, inputs=args.inputs, time_steps=args.time_steps,
+        batch_size=args.batch_size, step=args.step, step_ms=args.step_ms,
+        num_workers=args.num_workers, producers=args.producers, prefetch=args.prefetch,
+        seed=args.seed)
+    return bench.BenchConfig(
+        workload=workload, scenarios=args.scenarios, contenders=args.contenders,
+        rounds=args.rounds, delay=args.delay, throughput_samples=args.throughput_samples,
+        throughput_batch_size=args.throughput_batch_size, memory_rows=args.memory_rows,
+        memory_epochs=args.memory_epochs, warmup=args.warmup,
+        argv={k: v for k, v in vars(args).items() if k != "func"})
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run the chosen scenarios, print the tables, write ``--json``; returns 0."""
+    results = bench.run_bench(_config(args))
+    print(bench.format_results(results))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fp:
+            json.dump(results, fp, indent=1, default=str)
+    return 0

@@ -1,0 +1,15 @@
+"""Shard sources: turn shard keys into arrays, generating shard files on demand.
+
+* :class:`CommandSource` runs an external program per key (argv only, never a shell).
+* :class:`FunctionSource` calls a Python function per key.
+* :class:`FileSource` reads existing ``.npy`` / ``.npz`` files.
+
+Keys are a sequence, an (endless) iterator, or a callable ``keys(epoch)`` that returns
+that epoch's keys (see :mod:`gluon_stream.keys`).
+"""
+from .base import CachingSource, RawShard, Source
+from .command import CommandSource
+from .files import FileSource
+from .function import FunctionSource
+
+__all__ = ["CachingSource", "CommandSource", "FileSource", "FunctionSource", "RawShard", "Source"]

@@ -1,0 +1,160 @@
+"""Running one generator program: argv only, stdin closed, its own session, a bounded stderr tail,
+a timeout, and the whole process group killed on the way out.
+
+Waiting sleeps in ``select`` (no busy-waiting), waking at least every ``WAIT_SLICE_S`` to
+honour ``close()``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+__all__ = ["ProgramRunner", "RunResult", "STDERR_TAIL_BYTES", "WAIT_SLICE_S"]
+
+logger = logging.getLogger(__name__)
+
+STDERR_TAIL_BYTES = 4096
+WAIT_SLICE_S = 0.5  # how often a blocked wait re-checks close()
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """How one run ended."""
+
+    returncode: int | None
+    stderr_tail: str
+    timed_out: bool
+    closed: bool
+
+
+class ProgramRunner:
+    """Starts generator programs and kills every one still running on :meth:`kill_all`.
+
+    Picklable (a source is sent to remote executors): running processes stay with this process.
+    """
+
+    def __init__(self) -> None:
+        self._procs: set[subprocess.Popen] = set()
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+    def run(self, argv: Sequence[str], *, timeout: float | None, env: Mapping[str, str] | None,
+            closed: threading.Event) -> RunResult:
+        """Run ``argv`` to its end (or ``timeout``, or ``closed``); OSError if it cannot start."""
+        read_fd, write_fd = os.pipe()
+        try:
+            proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=write_fd,
+                                    start_new_session=True, close_fds=True, env=env)
+        except OSError:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+        with self._lock:
+            self._procs.add(proc)
+        tail = _TailBuffer(STDERR_TAIL_BYTES)
+        try:
+            timed_out = _wait(proc, read_fd, tail, timeout, closed)
+        finally:
+            kill_group(proc)
+            with self._lock:
+                self._procs.discard(proc)
+            _drain(read_fd, tail)
+            os.close(read_fd)
+        return RunResult(proc.returncode, tail.text(), timed_out, closed.is_set())
+
+    def kill_all(self) -> None:
+        """Kill every running program with its process group (grandchildren too)."""
+        with self._lock:
+            procs = list(self._procs)
+        for proc in procs:
+            kill_group(proc)
+
+
+def _wait(proc: subprocess.Popen, fd: int, tail: "_TailBuffer", timeout: float | None,
+          closed: threading.Event) -> bool:
+    """Sleep until the program exits, collecting stderr; True if it ran past ``timeout``.
+
+    Returns as soon as the program itself exits, even if a grandchild still holds its stderr
+    open (the caller then kills the whole group).
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        open_pipe = True
+        while True:
+            if closed.is_set():
+                return False
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return True
+            slice_s = WAIT_SLICE_S if remaining is None else min(WAIT_SLICE_S, remaining)
+            if open_pipe:
+                if sel.select(slice_s):
+                    data = os.read(fd, 65536)
+                    if data:
+                        tail.feed(data)
+                    else:
+                        sel.unregister(fd)
+                        open_pipe = False
+                if proc.poll() is not None:
+                    return False
+            else:
+                try:
+                    proc.wait(timeout=slice_s)
+                    return False
+                except subprocess.TimeoutExpired:
+                    continue
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group of a program started in its own session, then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        logger.debug("process group %d already gone", proc.pid)
+    except PermissionError:
+        logger.debug("process group %d is no longer ours", proc.pid)
+    proc.wait()
+
+
+class _TailBuffer:
+    """The last ``limit`` bytes written to a pipe: bounded however much the program writes."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+        if len(self._buf) > 2 * self.limit:
+            del self._buf[:-self.limit]
+
+    def text(self) -> str:
+        return bytes(self._buf[-self.limit:]).decode("utf-8", errors="replace").strip()
+
+
+def _drain(fd: int, tail: _TailBuffer, limit: int = 1 << 20) -> None:
+    """Read what is left in a pipe whose writers are dead, without blocking."""
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        read = 0
+        while read < limit and sel.select(0):
+            data = os.read(fd, 65536)
+            if not data:
+                return
+            tail.feed(data)
+            read += len(data)

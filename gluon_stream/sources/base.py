@@ -1,0 +1,182 @@
+"""The source contract: an epoch's keys, and a key to a :class:`RawShard`; the shared cache logic.
+
+Sources are thread-safe: a :class:`~gluon_stream.ShardStream` calls :meth:`Source.produce`
+from several producer threads at once. They are also picklable, so a remote executor (a dask
+worker) can generate shards into a ``cache_dir`` both sides see.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from .._closing import Closing
+from ..cache import ShardCache, make_cache
+from ..errors import CorruptShard, LoaderClosed, ShardError, UnsafeShard
+from ..keys import Keys, check_keys, keys_for_epoch, validate_key
+from ..shardfile import load_shard
+
+__all__ = ["CachingSource", "LOAD_ATTEMPTS", "RawShard", "Source"]
+
+logger = logging.getLogger(__name__)
+
+LOAD_ATTEMPTS = 3  # a shard evicted by another process between lookup and load is made again
+
+
+@dataclass
+class RawShard:
+    """One produced shard before the user's transform: arrays plus where they came from."""
+
+    key: Any
+    epoch: int
+    arrays: tuple
+    path: str | None = None
+    cache_hit: bool = False
+    generate_s: float = 0.0
+    load_s: float = 0.0
+
+
+class Source(Closing):
+    """Base class: maps an epoch to its keys and a key to a :class:`RawShard`.
+
+    Subclasses implement :meth:`produce`; they may override :meth:`num_samples` when
+    the sample count is known without loading (file headers).
+    """
+
+    def __init__(self, keys: Keys) -> None:
+        self._keys = check_keys(keys)
+        self._closed = threading.Event()
+
+    @property
+    def per_epoch(self) -> bool:
+        """Whether a key's shard differs between epochs (a ``{epoch}`` command); False here."""
+        return False
+
+    def keys_for_epoch(self, epoch: int) -> tuple[Iterable[Any], bool]:
+        """Return (keys, finite) for ``epoch``; an iterator is drawn lazily and is not finite."""
+        return keys_for_epoch(self._keys, epoch)
+
+    def produce(self, key: Any, epoch: int, executor: Any = None) -> RawShard:
+        """The shard's raw arrays; ``executor`` (a ``concurrent.futures.Executor``) may run
+        the generation elsewhere."""
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def num_samples(self, key: Any, epoch: int) -> int | None:
+        """Sample count of a shard if known without producing it, else None."""
+        return None
+
+    def _check_open(self) -> None:
+        if self._closed.is_set():
+            raise LoaderClosed(f"{type(self).__name__} is closed")
+
+    def close(self) -> None:
+        """Stop running work; further use raises LoaderClosed. Idempotent."""
+        self._closed.set()
+
+    def __getstate__(self) -> dict:
+        """Picklable for a remote executor: configuration only; the closed flag stays here."""
+        state = dict(self.__dict__)
+        state.pop("_closed", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._closed = threading.Event()
+
+
+class CachingSource(Source):
+    """Shared logic of sources that may write shards into a cache directory.
+
+    Subclasses implement :meth:`_create` (write the shard for a key to a validated temp file
+    in the cache and return its path).
+    """
+
+    def __init__(self, keys: Keys, cache_dir: str | os.PathLike | None, lock_timeout: float,
+                 mmap: bool, cache_limit: int | str | None = None) -> None:
+        super().__init__(keys)
+        if cache_limit is not None and cache_dir is None:
+            raise ValueError("cache_limit needs a cache_dir")
+        self._cache: ShardCache | None = (
+            make_cache(cache_dir, lock_timeout, self._closed, cache_limit)
+            if cache_dir is not None else None)
+        self._mmap = mmap
+
+    def _create(self, key: Any, epoch: int) -> str:  # pragma: no cover - abstract
+        """Write the shard for ``key`` to a validated temp file in the cache; return its path."""
+        raise NotImplementedError
+
+    def shard_name(self, key: Any, epoch: int) -> str:
+        """The shard's file name in the cache (without suffix)."""
+        return validate_key(key)
+
+    def ensure_file(self, key: Any, epoch: int) -> tuple[str, bool, float]:
+        """Make sure the shard is in the cache: (path, cache_hit, seconds).
+
+        Runs wherever ``cache_dir`` is visible, e.g. on a dask worker of a shared filesystem.
+        """
+        name = self.shard_name(key, epoch)
+        t0 = time.perf_counter()
+        path, hit = self._cache.get_or_create(name, lambda: self._create(key, epoch))
+        if not hit:
+            self._cache.enforce_limit(keep=path)
+        return path, hit, time.perf_counter() - t0
+
+    def produce(self, key: Any, epoch: int, executor: Any = None) -> RawShard:
+        """Generate (locally, or on ``executor``) unless cached, then load and validate."""
+        self._check_open()
+        validate_key(key)
+        if executor is None:
+            return self._load_cached(key, epoch, self.ensure_file)
+        return self._load_cached(
+            key, epoch, lambda k, e: executor.submit(_ensure_remote, self, k, e).result())
+
+    def keys_for_epoch(self, epoch: int) -> tuple[Iterable[Any], bool]:
+        """As :meth:`Source.keys_for_epoch`; finite keys of a cache are all validated up front.
+
+        Keys become file names (and command arguments), so a hostile key fails the epoch
+        before any shard is produced; keys drawn from an iterator are checked one by one.
+        """
+        keys, finite = super().keys_for_epoch(epoch)
+        if finite and self._cache is not None:
+            for key in keys:
+                validate_key(key)
+        return keys, finite
+
+    def num_samples(self, key: Any, epoch: int) -> int | None:
+        if self._cache is None:
+            return None
+        return self._cache.num_samples(self.shard_name(key, epoch))
+
+    def _load_cached(self, key: Any, epoch: int,
+                     ensure: Callable[[Any, int], tuple[str, bool, float]]) -> RawShard:
+        """``ensure`` the file, then load it under a shared lock (so no process evicts it)."""
+        assert self._cache is not None
+        generate_s = 0.0
+        for attempt in range(LOAD_ATTEMPTS):
+            path, hit, seconds = ensure(key, epoch)
+            generate_s += seconds
+            t1 = time.perf_counter()
+            try:
+                with self._cache.reading(path) as local:
+                    arrays = load_shard(local, mmap=self._mmap)
+            except FileNotFoundError:
+                logger.info("shard %r was evicted before it could be read; making it again", key)
+                continue
+            except (CorruptShard, UnsafeShard):
+                self._cache.evict(path)
+                if not hit or attempt:
+                    raise
+                logger.warning("cached shard %s for key %r is unreadable; deleted it, "
+                               "regenerating", path, key)
+                continue
+            return RawShard(key, epoch, arrays, path, hit, generate_s, time.perf_counter() - t1)
+        raise ShardError(f"shard {key!r}: evicted {LOAD_ATTEMPTS} times before it could be read; "
+                         "raise cache_limit above the number of shards in flight", key=key)
+
+
+def _ensure_remote(source: CachingSource, key: Any, epoch: int) -> tuple[str, bool, float]:
+    """Runs on a remote executor's worker: generate the shard into the shared cache_dir."""
+    return source.ensure_file(key, epoch)

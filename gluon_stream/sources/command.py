@@ -1,0 +1,160 @@
+"""CommandSource: each shard is written by an external program, run per key."""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any, Mapping, Sequence
+
+from ..cache import SUFFIXES
+from ..errors import CorruptShard, ShardError, ShardTimeout, UnsafeShard
+from ..keys import Keys, validate_key
+from ..retry import RetryPolicy
+from ..shardfile import inspect_shard, remove_if_exists
+from .base import CachingSource
+from ._process import ProgramRunner
+
+__all__ = ["CommandSource"]
+
+logger = logging.getLogger(__name__)
+
+_TOKEN = re.compile(r"\{(?:key|path|epoch)\}")
+_DISK_FULL_HINTS = ("No space left on device", "ENOSPC", "[Errno 28]", "Disk quota exceeded")
+
+
+class CommandSource(CachingSource):
+    """Generate each shard by running an external program.
+
+    Args:
+        keys: Shard keys (sequence, iterator, or ``keys(epoch)``).
+        command: Argument vector; ``{key}``, ``{path}`` and ``{epoch}`` are replaced per shard.
+            The program must write the shard to ``{path}`` (a temporary file in ``cache_dir``
+            that is renamed into place only once complete and valid). Never run through a shell.
+        cache_dir: Directory of finished shards; keys already there are not regenerated.
+            With ``{epoch}`` in the command, shards are cached per (key, epoch).
+        timeout: Seconds one run may take before its whole process group is killed.
+        retries: Extra attempts after a failed run, with exponential backoff.
+        backoff: Seconds before the first retry (doubling each time).
+        suffix: ``.npy`` or ``.npz``: what the program writes.
+        env: Environment for the program (default: inherited).
+        lock_timeout: Seconds to wait for another process generating the same key.
+        mmap: Memory-map loaded ``.npy`` files.
+        cache_limit: Keep at most this many shards (an int) or bytes (``'20GB'``) in the cache,
+            evicting the least recently used.
+
+    Example:
+        >>> src = CommandSource(["2024-01-01"], ["./gen", "--date", "{key}", "--out", "{path}"],
+        ...                     cache_dir="shards")  # doctest: +SKIP
+    """
+
+    def __init__(self, keys: Keys, command: Sequence[str], *, cache_dir: str | os.PathLike,
+                 timeout: float | None = 600.0, retries: int = 2, backoff: float = 0.5,
+                 suffix: str = ".npy", env: Mapping[str, str] | None = None,
+                 lock_timeout: float = 3600.0, mmap: bool = False,
+                 cache_limit: int | str | None = None) -> None:
+        if isinstance(command, (str, bytes)) or not command:
+            raise TypeError("command must be a non-empty list of arguments (argv), e.g. "
+                            "['./gen', '--date', '{key}', '--out', '{path}']; it never runs in a shell")
+        if not any("{path}" in str(arg) for arg in command):
+            raise ValueError("command must contain '{path}': the program writes the shard there")
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries!r}")
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
+        if suffix not in SUFFIXES:
+            raise ValueError(f"suffix must be '.npy' or '.npz', got {suffix!r}")
+        if cache_dir is None:
+            raise ValueError("CommandSource needs a cache_dir: the program writes files there")
+        super().__init__(keys, cache_dir, lock_timeout, mmap, cache_limit)
+        self.command = [str(arg) for arg in command]
+        self.timeout = timeout
+        self.retry = RetryPolicy(retries, backoff)
+        self.suffix = suffix
+        self.env = env
+        self._runner = ProgramRunner()
+
+    @property
+    def retries(self) -> int:
+        return self.retry.retries
+
+    @property
+    def per_epoch(self) -> bool:
+        """True when the command uses ``{epoch}``: shards are made and cached per epoch."""
+        return any("{epoch}" in arg for arg in self.command)
+
+    def shard_name(self, key: Any, epoch: int) -> str:
+        name = validate_key(key)
+        return f"{name}@e{epoch}" if self.per_epoch else name
+
+    def argv_for(self, key: Any, epoch: int, path: str) -> list[str]:
+        """The argument vector for one run (tokens replaced literally, no other formatting)."""
+        values = {"{key}": validate_key(key), "{path}": path, "{epoch}": str(epoch)}
+        # one pass, so a token inside a substituted value (a cache_dir named '{epoch}') stays
+        return [_TOKEN.sub(lambda m: values[m.group(0)], arg) for arg in self.command]
+
+    def _create(self, key: Any, epoch: int) -> str:
+        name = self.shard_name(key, epoch)
+        for attempt in range(self.retry.attempts):
+            tmp = self._cache.temp_path(name, self.suffix)
+            try:
+                self._run_once(key, epoch, tmp)
+                if not os.path.islink(tmp):
+                    inspect_shard(tmp)
+                return tmp
+            except (ShardError, CorruptShard, UnsafeShard) as exc:
+                remove_if_exists(tmp)
+                self._check_open()
+                if not self.retry.should_retry(exc, attempt):
+                    if attempt and isinstance(exc, ShardError) and exc.args:
+                        exc.args = (f"{exc.args[0]}\n(gave up after {attempt + 1} attempts; "
+                                    "retries= sets how many)",)
+                    raise
+                delay = self.retry.delay(attempt)
+                logger.warning("shard %r: attempt %d/%d failed (%s); retrying in %.1f s",
+                               key, attempt + 1, self.retry.attempts, exc, delay)
+                if self._closed.wait(delay):
+                    self._check_open()
+            except BaseException:
+                remove_if_exists(tmp)
+                raise
+        raise AssertionError("unreachable")
+
+    def _run_once(self, key: Any, epoch: int, tmp: str) -> None:
+        """Run the generator once and turn how it ended into a ShardError, or return."""
+        argv = self.argv_for(key, epoch, tmp)
+        try:
+            result = self._runner.run(argv, timeout=self.timeout, env=self.env,
+                                      closed=self._closed)
+        except OSError as exc:
+            raise ShardError(f"shard {key!r}: cannot start {argv[0]!r}: {exc}; check the first "
+                             "element of command (an executable path)", key=key,
+                             argv=argv) from exc
+        self._check_open()
+        text, code = result.stderr_tail, result.returncode
+        if result.timed_out:
+            raise ShardTimeout(
+                f"shard {key!r}: generator ran longer than timeout={self.timeout} s and was killed "
+                f"with its process group; raise timeout= or make the program faster; command: "
+                f"{argv}; stderr tail:\n{text}",
+                key=key, argv=argv, returncode=code, stderr_tail=text)
+        if code != 0:
+            if any(hint in text for hint in _DISK_FULL_HINTS):
+                raise ShardError(
+                    f"shard {key!r}: disk full: the generator failed with 'No space left on "
+                    f"device' writing {tmp!r}; free space in {self._cache.root!r} or point "
+                    f"cache_dir elsewhere (not retried); command: {argv}; stderr tail:\n{text}",
+                    key=key, argv=argv, returncode=code, stderr_tail=text, disk_full=True)
+            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+            raise ShardError(f"shard {key!r}: generator failed ({how}); command: {argv}; "
+                             f"stderr tail:\n{text}", key=key, argv=argv, returncode=code,
+                             stderr_tail=text)
+        if not os.path.lexists(tmp):
+            raise ShardError(f"shard {key!r}: generator exited 0 but wrote no file at {tmp!r} "
+                             f"(it must write to the '{{path}}' argument); command: {argv}; "
+                             f"stderr tail:\n{text}", key=key, argv=argv, returncode=0,
+                             stderr_tail=text)
+
+    def close(self) -> None:
+        """Kill every running generator (whole process groups); idempotent."""
+        super().close()
+        self._runner.kill_all()

@@ -1,0 +1,103 @@
+"""Benchmarks: gluon_stream against MXNet's own ways of feeding a Gluon loop (``gluon-stream bench``).
+
+Every contender trains on the same workload, interleaved in one run (A B C ... A B C ...,
+``--rounds`` times), and the table shows medians over rounds and ratios taken within each
+round, so machine noise hits all contenders alike.
+
+Pipeline scenarios (shards from the built-in generator, a real external process that sleeps
+``delay`` seconds and writes a deterministic ``.npy``; ``make_windows`` as the transform;
+a simulated training step per batch):
+
+* ``balanced``: generation of a shard costs about as much as training on it;
+* ``generation-bound``: generation costs 4x the training of a shard;
+* ``training-bound``: generation costs a quarter of it.
+
+Contenders: ``naive`` (generate, load, transform, ``DataLoader(num_workers=0)`` per shard in
+turn), ``dataloader-per-shard`` (the usual advice: ``DataLoader(num_workers=N,
+last_batch='rollover')`` rebuilt per shard), ``prefetching-iter`` (a hand-built pipeline:
+generator threads fill a queue behind a custom ``mx.io.DataIter`` wrapped in
+``mx.io.PrefetchingIter``), and ``StreamLoader``: ``gluon_stream`` (the library's defaults,
+one producer), ``-nw`` (``num_workers=N`` as users copy it; batches are still slices),
+``-batchify`` and ``-batchify-nw`` (a ``batchify_fn`` selects the per-shard DataLoader path, with
+0 and N thread workers) and ``-recommended`` (P producers). ``ideal`` is the lower bound from
+component costs measured in the same round (by ``naive``) for P producers: ``max(first shard's
+generate+load+transform + all steps, ceil(shards / P) generations + one load+transform + one
+shard's steps)``. ``wave bound`` counts the steps of every shard of the last wave of parallel
+generations (they finish together), the bound no schedule beats.
+
+``throughput``: arrays already in memory, no-op step: ``DataLoader`` with 0 and 2 workers,
+``NDArrayIter``, a vectorised floor (one numpy gather per batch plus ``mx.nd.array``) and
+``StreamLoader``, for large (30x16) and small (8) float32 samples.
+
+``memory``: ``StreamLoader`` over ``--memory-epochs`` epochs; peak RSS against the process
+baseline plus ``(prefetch + 2)`` shards, and the RSS slope per epoch.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+from ..._mx import require_mxnet
+from .measure import make_step, measure_step
+from .memory import run_memory_scenario
+from .pipeline import (PIPELINE_CONTENDERS, PIPELINE_SCENARIOS, calibrate_delay,
+                       run_pipeline_scenario)
+from .report import format_results, targets
+from .throughput import THROUGHPUT_CONTENDERS, THROUGHPUT_SHAPES, run_throughput_scenario
+from .workload import Workload, ideal_time, wave_bound
+
+__all__ = ["BenchConfig", "PIPELINE_CONTENDERS", "PIPELINE_SCENARIOS", "SCENARIOS",
+           "THROUGHPUT_CONTENDERS", "THROUGHPUT_SHAPES", "Workload", "format_results",
+           "ideal_time", "run_bench", "run_memory_scenario", "run_pipeline_scenario",
+           "run_throughput_scenario", "wave_bound"]
+
+logger = logging.getLogger(__name__)
+
+SCENARIOS = (*PIPELINE_SCENARIOS, "throughput", "memory")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What one bench run measures (the CLI's options)."""
+
+    workload: Workload = Workload()
+    scenarios: Sequence[str] = SCENARIOS
+    contenders: Sequence[str] | None = None
+    rounds: int = 3
+    delay: float | None = None
+    throughput_samples: int = 20000
+    throughput_batch_size: int = 256
+    memory_rows: int = 20000
+    memory_epochs: int = 50
+    warmup: bool = True
+    argv: dict = field(default_factory=dict)
+
+
+def run_bench(config: BenchConfig) -> dict:
+    """Run the chosen scenarios; returns every raw figure and the targets (see the module doc)."""
+    require_mxnet()
+    base = config.workload
+    results: dict[str, Any] = {"argv": dict(config.argv)}
+    step_s = measure_step(base, make_step(base))
+    if config.warmup:
+        logger.info("warm-up pass")
+        run_pipeline_scenario("warm-up", replace(base, shards=2, delay=0.0), 1, config.contenders)
+    for scenario in config.scenarios:
+        t0 = time.perf_counter()
+        if scenario in PIPELINE_SCENARIOS:
+            delay = config.delay if config.delay is not None else calibrate_delay(
+                base, PIPELINE_SCENARIOS[scenario], step_s)
+            results[scenario] = run_pipeline_scenario(scenario, replace(base, delay=delay),
+                                                      config.rounds, config.contenders)
+        elif scenario == "throughput":
+            results[scenario] = run_throughput_scenario(
+                {"30x16": config.throughput_samples, "8": 5 * config.throughput_samples},
+                config.throughput_batch_size, config.rounds, base.seed, config.contenders)
+        else:
+            results[scenario] = run_memory_scenario(replace(base, rows=config.memory_rows),
+                                                    config.memory_epochs)
+        logger.info("%s done in %.1f s", scenario, time.perf_counter() - t0)
+    results["targets"] = targets(results)
+    return results

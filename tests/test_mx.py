@@ -1,0 +1,69 @@
+"""The MXNet door: DataLoader worker pools ended without CPython's terminate() hang, and the
+shared-memory files a dead worker leaves behind removed."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from _helpers import JOIN_S
+
+pytestmark = pytest.mark.mxnet  # these tests use MXNet: warm its engine first
+
+
+_TERMINATE_HANG = r"""
+import os, signal, mxnet as mx
+from gluon_stream._mx import dataloader as mx_dataloader
+dl = mx_dataloader.make_dataloader(mx.gluon.data.ArrayDataset(list(range(8))), [[0, 1]],
+                             batchify_fn=mx.gluon.data.dataloader.default_batchify_fn,
+                             num_workers=2, thread_pool=False, pin_memory=False, pin_device_id=0,
+                             timeout=10)
+pool = mx_dataloader.worker_pool(dl)
+for proc in list(pool._pool):  # both idle: one of them holds the task queue's read lock
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join()
+print("killed", flush=True)
+{ending}
+print("released", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_ending_a_pool_whose_worker_died_holding_a_queue_lock_does_not_hang():
+    """CPython gh-96995: Pool.terminate() blocks forever on the dead worker's lock (control);
+    release_dataloader ends the same pool at once."""
+    def run(ending, timeout):
+        proc = subprocess.Popen([sys.executable, "-c", _TERMINATE_HANG.format(ending=ending)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+            return out.split()
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate(timeout=JOIN_S)
+            return out.split() + ["hung"]
+
+    assert run("pool.terminate()", 6) == ["killed", "hung"]  # the bug is real here
+    assert run("mx_dataloader.release_dataloader(dl)", 60) == ["killed", "released"]
+
+
+def test_shared_memory_files_of_a_dead_worker_are_removed(tmp_path):
+    from gluon_stream._mx import dataloader as mx_dataloader
+
+    dead_pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                                  capture_output=True, text=True, check=True).stdout)
+    leftover = f"/dev/shm/mx_{dead_pid:x}_1234abcd"
+    other = f"/dev/shm/mx_{dead_pid + 1:x}_1234abcd"
+    for path in (leftover, other):
+        open(path, "wb").close()
+    try:
+        assert mx_dataloader.remove_worker_shm(dead_pid) == [leftover]
+        assert not os.path.exists(leftover) and os.path.exists(other)
+    finally:
+        for path in (leftover, other):
+            if os.path.exists(path):
+                os.unlink(path)
