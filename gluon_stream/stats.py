@@ -16,9 +16,11 @@ from typing import Any, Callable, NamedTuple
 
 from .timeline import TRAIN_LANE, plot_timeline, write_chrome_trace
 
-__all__ = ["EpochRecord", "ShardRecord", "Span", "Stats"]
+__all__ = ["EpochRecord", "ShardRecord", "ShardTotals", "Span", "Stats"]
 
 MAX_SPANS = 50_000
+MAX_SHARD_RECORDS = 10_000  # the latest ones; totals cover every shard ever produced
+MAX_EPOCH_RECORDS = 10_000
 
 
 class Span(NamedTuple):
@@ -97,13 +99,39 @@ class EpochRecord:
     complete: bool = False
 
 
+@dataclass
+class ShardTotals:
+    """Running totals over every shard recorded (records themselves are a bounded window)."""
+
+    produced: int = 0
+    skipped: int = 0
+    cache_hits: int = 0
+    samples: int = 0
+    generate_s: float = 0.0
+    load_s: float = 0.0
+    transform_s: float = 0.0
+
+    def add(self, record: ShardRecord) -> None:
+        if record.error is not None:
+            self.skipped += 1
+            return
+        self.produced += 1
+        self.cache_hits += record.cache_hit
+        self.samples += record.samples
+        self.generate_s += record.generate_s
+        self.load_s += record.load_s
+        self.transform_s += record.transform_s
+
+
 class Stats:
     """Thread-safe record of shards, epochs and timeline spans; summary, plot and trace export.
 
     Every :class:`~gluon_stream.StreamLoader` and :class:`~gluon_stream.ShardStream` keeps one
     (``loader.stats``). Producers add a :class:`ShardRecord` and ``generate``/``load``/
     ``transform`` spans per shard; the loader adds an :class:`EpochRecord` per pass and a
-    ``busy`` or ``wait`` span on the ``"train"`` lane around every batch.
+    ``busy`` or ``wait`` span on the ``"train"`` lane around every batch. Memory stays bounded
+    on endless streams: the latest ``MAX_SHARD_RECORDS`` shard records, ``MAX_EPOCH_RECORDS``
+    epochs and ``MAX_SPANS`` spans are kept, and :attr:`totals_produced` counts them all.
 
     Args:
         clock: Returns seconds; defaults to ``time.perf_counter``. Tests pass a fake clock.
@@ -119,9 +147,10 @@ class Stats:
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
         self.origin = clock()
-        self.shards: list[ShardRecord] = []
-        self.epochs: list[EpochRecord] = []
+        self.shards: collections.deque[ShardRecord] = collections.deque(maxlen=MAX_SHARD_RECORDS)
+        self.epochs: collections.deque[EpochRecord] = collections.deque(maxlen=MAX_EPOCH_RECORDS)
         self.spans: collections.deque[Span] = collections.deque(maxlen=MAX_SPANS)
+        self.totals_produced = ShardTotals()
         self._lock = threading.Lock()
 
     # -- recording (called by the stream and the loader) -----------------------------------
@@ -132,9 +161,10 @@ class Stats:
             self.spans.append(span)
 
     def add_shard(self, record: ShardRecord) -> None:
-        """Record a produced (or skipped) shard."""
+        """Record a produced (or skipped) shard: kept among the latest, added to the totals."""
         with self._lock:
             self.shards.append(record)
+            self.totals_produced.add(record)
 
     def new_epoch(self, epoch: int) -> EpochRecord:
         """Start and return the record of a new pass."""
@@ -168,22 +198,25 @@ class Stats:
         return dict(out)
 
     def to_dict(self) -> dict:
-        """Plain data for logging or JSON: ``{"shards": [...], "epochs": [...]}``.
+        """Plain data for logging or JSON: the latest shard records, the epochs, and totals.
 
         Example:
-            >>> Stats().to_dict()
-            {'shards': [], 'epochs': []}
+            >>> Stats().to_dict()["shards"]
+            []
         """
         with self._lock:
             return {"shards": [asdict(s) for s in self.shards],
-                    "epochs": [asdict(e) for e in self.epochs]}
+                    "epochs": [asdict(e) for e in self.epochs],
+                    "totals": asdict(self.totals_produced)}
 
     def summary(self) -> str:
         """A readable table: one line per epoch, then shard production totals.
 
         Columns: batches, samples, wall seconds, seconds the loop waited for data (stall) and
         their share, samples/s, median shard rotation cost in ms, peak shards held, and shards
-        skipped.
+        skipped. A pass cut short (``break``, Ctrl-C, an error) is marked ``*``. The totals cover
+        every shard produced, also on endless streams where only the latest
+        ``MAX_SHARD_RECORDS`` records are kept.
 
         Example:
             >>> print(Stats().summary().split()[:3])
@@ -193,26 +226,24 @@ class Stats:
                  f"{'stall %':>7} {'samples/s':>10} {'rot ms':>7} {'held':>4} {'skipped':>7}"]
         with self._lock:
             epochs = list(self.epochs)
-            shards = list(self.shards)
+            totals = ShardTotals(**asdict(self.totals_produced))
         for e in epochs:
             rate = e.samples / e.wall_s if e.wall_s > 0 else 0.0
             share = 100.0 * e.stall_s / e.wall_s if e.wall_s > 0 else 0.0
             rot = sorted(e.rotation_s)
             rot_ms = 1000.0 * rot[len(rot) // 2] if rot else 0.0
-            lines.append(f"{e.epoch:>5} {e.batches:>8} {e.samples:>9} {e.wall_s:>8.2f} "
+            epoch = f"{e.epoch}{'' if e.complete else '*'}"
+            lines.append(f"{epoch:>5} {e.batches:>8} {e.samples:>9} {e.wall_s:>8.2f} "
                          f"{e.stall_s:>8.2f} {share:>6.1f}% {rate:>10.0f} {rot_ms:>7.1f} "
                          f"{e.peak_prefetch:>4} {e.skipped_shards:>7}")
-        produced = [s for s in shards if s.error is None]
-        if produced:
-            hits = sum(s.cache_hit for s in produced)
+        if totals.produced:
             lines.append(
-                f"shards: {len(produced)} produced ({hits} cache hits); "
-                f"generate {sum(s.generate_s for s in produced):.2f} s, "
-                f"load {sum(s.load_s for s in produced):.2f} s, "
-                f"transform {sum(s.transform_s for s in produced):.2f} s in total")
+                f"shards: {totals.produced} produced ({totals.cache_hits} cache hits); "
+                f"generate {totals.generate_s:.2f} s, load {totals.load_s:.2f} s, "
+                f"transform {totals.transform_s:.2f} s in total")
+        if any(not e.complete for e in epochs):
+            lines.append("* a pass that was interrupted (break, Ctrl-C, an error) before its end")
         return "\n".join(lines)
-
-    # -- export ----------------------------------------------------------------------------
 
     # -- export ----------------------------------------------------------------------------
     def plot(self, path: str | os.PathLike | None = None, *, ax: Any = None,

@@ -100,3 +100,31 @@ def test_one_info_line_per_shard_and_a_warning_per_retry(caplog):
     assert len(warnings) == 1 and "retry 1/1" in warnings[0].getMessage()
 
 
+
+
+def test_endless_streams_keep_a_bounded_window_of_records_and_exact_totals():
+    from gluon_stream.stats import MAX_SHARD_RECORDS, ShardRecord
+
+    stats = Stats(clock=FakeClock())
+    n = MAX_SHARD_RECORDS + 2500
+    for i in range(n):
+        stats.add_shard(ShardRecord(i, 0, samples=3, cache_hit=i % 2 == 0, generate_s=0.5))
+    stats.add_shard(ShardRecord("bad", 0, error="ShardError: boom"))
+    assert len(stats.shards) == MAX_SHARD_RECORDS  # the latest records only ...
+    assert stats.shards[-1].key == "bad" and stats.shards[0].key == n + 1 - MAX_SHARD_RECORDS
+    totals = stats.totals_produced  # ... but the totals count every shard
+    assert (totals.produced, totals.skipped, totals.samples) == (n, 1, 3 * n)
+    assert totals.cache_hits == (n + 1) // 2 and totals.generate_s == pytest.approx(0.5 * n)
+    assert f"shards: {n} produced ({(n + 1) // 2} cache hits)" in stats.summary()
+    assert stats.to_dict()["totals"]["produced"] == n
+
+
+def test_an_interrupted_pass_is_marked_in_the_summary():
+    from gluon_stream.stats import EpochRecord
+
+    stats = Stats(clock=FakeClock())
+    stats.epochs.append(EpochRecord(0, batches=3, samples=12, wall_s=1.0, complete=False))
+    stats.epochs.append(EpochRecord(0, batches=9, samples=36, wall_s=2.0, complete=True))
+    rows = stats.summary().splitlines()
+    assert rows[1].split()[0] == "0*" and rows[2].split()[0] == "0"
+    assert rows[-1].startswith("* a pass that was interrupted")
