@@ -6,6 +6,7 @@ import os
 import shlex
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -45,6 +46,60 @@ def test_python_m_gluon_stream_help():
     out = subprocess.run([sys.executable, "-m", "gluon_stream", "--help"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "inspect" in out.stdout, out.stderr
+
+
+def test_light_commands_never_import_mxnet_or_matplotlib(tmp_path):
+    """--help, --version, inspect and generate start in well under a second: MXNet (2-3 s to
+    import) and matplotlib are left for demo and bench."""
+    np.save(tmp_path / "a.npy", np.zeros((3, 2), np.float32))
+    runs = [["--help"], ["--version"], ["inspect", str(tmp_path / "a.npy")],
+            ["generate", "--help"],
+            ["generate", "--command", GEN, "--keys", "k", "--cache-dir", str(tmp_path / "c"),
+             "--no-progress"]]
+    code = textwrap.dedent(f"""
+        import sys
+        from gluon_stream.cli import main
+        for argv in {runs!r}:
+            assert main(argv) == 0, argv
+            heavy = sorted({{"mxnet", "matplotlib"}} & set(sys.modules))
+            assert not heavy, (argv, heavy)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "c" / "k.npy").exists()
+
+
+def help_blocks(text: str) -> dict[str, str]:
+    """An option's help text from argparse's output, by its first option string."""
+    blocks: dict[str, str] = {}
+    name = None
+    for line in text.split("options:", 1)[1].splitlines():
+        if line.startswith("  -"):
+            name = line.split()[0].rstrip(",")
+            blocks[name] = line
+        elif name is not None and line.startswith("   "):
+            blocks[name] += " " + line.strip()
+    return blocks
+
+
+@pytest.mark.parametrize("name", subcommands())
+def test_help_is_plain_text_and_every_option_says_what_and_its_default(name):
+    parser = next(a for a in build_parser()._actions
+                  if isinstance(a, argparse._SubParsersAction)).choices[name]
+    text = parser.format_help()
+    for markup in ("``", ":class:", ":mod:", ":func:", "::\n"):
+        assert markup not in text, (name, markup)
+    blocks = help_blocks(text)
+    one_required = {a for g in parser._mutually_exclusive_groups if g.required
+                    for a in g._group_actions}  # --keys or --keys-file
+    for action in parser._actions:
+        if not action.option_strings or action.option_strings[0] == "-h":
+            continue
+        block = blocks[action.option_strings[0]]
+        assert action.help, (name, action.option_strings)
+        if action.nargs != 0 and not action.required and action not in one_required:
+            assert "default" in block, (name, block)
 
 
 def test_unknown_subcommand_and_missing_arguments_exit_2(capsys):
@@ -128,6 +183,29 @@ def test_generate_reports_failed_keys_with_exit_1(tmp_path, capsys):
     failed = [line for line in captured.err.splitlines() if line.startswith("failed: ")]
     assert sorted(line.split()[1] for line in failed) == ["a:", "b:"]
     assert all("exit code 1" in line for line in failed)
+    assert captured.err.count("    boom") == 2  # each key's stderr tail, under its line
+
+
+def test_generate_failures_name_cli_flags_and_keep_the_stderr_tail(tmp_path, capsys):
+    fail = shlex.join([sys.executable, "-c",
+                       "import sys; print('first'); sys.exit('no licence for {key}')", "{path}"])
+    slow = shlex.join([sys.executable, "-c",
+                       "import sys, time; print('working', file=sys.stderr, flush=True); "
+                       "time.sleep(30)", "{path}"])
+    assert main(["generate", "--command", fail, "--keys", "a", "--cache-dir",
+                 str(tmp_path / "c"), "--retries", "1", "--no-progress"]) == 1
+    assert main(["generate", "--command", slow, "--keys", "b", "--cache-dir",
+                 str(tmp_path / "c"), "--retries", "0", "--timeout", "0.5",
+                 "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "retries=" not in err and "timeout=" not in err, err
+    lines = err.splitlines()
+    retried = lines.index(next(x for x in lines if x.startswith("failed: a:")))
+    assert "gave up after 2 attempts; --retries sets how many" in lines[retried]
+    assert lines[retried + 1] == "    no licence for a"
+    timed_out = next(x for x in lines if x.startswith("failed: b:"))
+    assert "--timeout 0.5" in timed_out and "raise --timeout" in timed_out
+    assert "    working" in lines
 
 
 @pytest.mark.parametrize("extra, needles", [
@@ -137,9 +215,17 @@ def test_generate_reports_failed_keys_with_exit_1(tmp_path, capsys):
     (["--keys", "2024-01-05..2024-01-01", "--cache-dir", "c"], ["empty"]),
     (["--keys", "2024-01-01..soon", "--cache-dir", "c"], ["ISO dates"]),
     (["--keys", "../etc", "--cache-dir", "c"], ["not allowed"]),
+    (["--keys", "-3..3", "--cache-dir", "c"], ["--keys", "'-3..3'", "--keys=-3..3"]),
+    (["--keys=-3..3", "--cache-dir", "c"], ["'-3..3'", "may not start with '-'"]),
+    (["--keys", "a", "--cache-dir", "c", "--epoch", "-1"], ["--epoch", ">= 0"]),
+    (["--keys", "a", "--cache-dir", "c", "--retries", "-1"], ["--retries", ">= 0"]),
+    (["--keys", "a", "--cache-dir", "c", "--timeout", "inf"], ["--timeout", "finite"]),
+    (["--keys", "a", "--cache-dir", "file"], ["--cache-dir", "is a file"]),
+    (["--keys", "a", "--cache-dir", "file/sub"], ["--cache-dir", "cannot create"]),
 ])
 def test_generate_bad_arguments_exit_2_in_one_line(extra, needles, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "file").write_text("not a directory")
     assert main(["generate", "--command", GEN] + extra) == 2
     one_error_line(capsys.readouterr().err, *needles)
     assert not os.path.exists(tmp_path / "c") or not os.listdir(tmp_path / "c")
@@ -175,8 +261,51 @@ def test_demo_trains_prints_a_table_and_writes_the_timeline(tmp_path, capsys):
     assert "epoch 0" in captured.err and "waiting=" in captured.err  # the progress bars
 
 
-def test_demo_bad_arguments_exit_2(capsys):
-    assert main(["demo", "--shards", "0"]) == 2
-    one_error_line(capsys.readouterr().err, "--shards", "positive integer")
-    assert main(["demo", "--delay", "-1"]) == 2
-    one_error_line(capsys.readouterr().err, "--delay")
+@pytest.mark.parametrize("extra, needles", [
+    (["--shards", "0"], ["--shards", "positive integer"]),
+    (["--delay", "-1"], ["--delay"]),
+    (["--delay", "inf"], ["--delay", "finite"]),
+    (["--prefetch", "-1"], ["--prefetch"]),
+    (["--plot", "/nonexistent/dir/x.png"], ["--plot", "does not exist"]),
+    (["--plot", "x.txt"], ["--plot", ".txt", ".png"]),
+    (["--plot", "."], ["--plot", "directory"]),
+    (["--trace", "/nonexistent/dir/t.json"], ["--trace", "does not exist"]),
+    (["--cache-dir", "file"], ["--cache-dir", "is a file"]),
+    (["--cache-dir", "file/sub"], ["--cache-dir", "cannot create"]),
+    (["--rows", "100", "--time-steps", "100"], ["--time-steps", "--rows"]),
+    (["--time-steps", "5000"], ["--time-steps", "--rows"]),
+    (["--shards", "1", "--rows", "20", "--time-steps", "16"], ["--batch-size", "4 windows"]),
+])
+def test_demo_refuses_bad_arguments_before_any_work(extra, needles, tmp_path, capsys,
+                                                    monkeypatch):
+    from gluon_stream.cli import demo
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the demo started working before checking its arguments")
+
+    monkeypatch.setattr(demo, "require_mxnet", no_work)
+    monkeypatch.setattr(demo, "CommandSource", no_work)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file").write_text("not a directory")
+    assert main(["demo"] + extra) == 2
+    one_error_line(capsys.readouterr().err, *needles)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write into a read-only-mode directory")
+def test_demo_refuses_an_unwritable_cache_dir(tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    assert main(["demo", "--cache-dir", str(locked / "shards")]) == 2
+    one_error_line(capsys.readouterr().err, "--cache-dir", "cannot create")
+    assert main(["demo", "--cache-dir", str(locked)]) == 2
+    one_error_line(capsys.readouterr().err, "--cache-dir", "cannot write")
+
+
+def test_bench_lists_each_known_contender_once(capsys):
+    from gluon_stream.tools import bench
+
+    assert main(["bench", "--contenders", "naive,warp"]) == 2
+    err = capsys.readouterr().err
+    one_error_line(err, "--contenders", "'warp'")
+    listed = err.strip().split("choose from ")[1].split(", ")
+    assert sorted(listed) == sorted(set(bench.PIPELINE_CONTENDERS + bench.THROUGHPUT_CONTENDERS))

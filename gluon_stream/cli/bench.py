@@ -1,12 +1,16 @@
-"""``gluon-stream bench``: run the benchmarks of :mod:`gluon_stream.tools.bench`, print the tables."""
+"""``gluon-stream bench``: run the benchmarks of :mod:`gluon_stream.tools.bench`, print the tables.
+
+``tools.bench`` imports MXNet, so it is imported only when ``bench`` runs or shows its help:
+the other subcommands start without it.
+"""
 from __future__ import annotations
 
 import argparse
 import json
 from typing import Any
 
-from ..tools import bench
-from ._args import UsageError, csv_list, positive_int
+from ._args import (UsageError, csv_list, non_negative_float, non_negative_int, output_path,
+                    plain_text, positive_int)
 
 __all__ = ["register", "run_bench"]
 
@@ -15,50 +19,78 @@ def register(subparsers: Any) -> None:
     """Add the ``bench`` subcommand to the CLI's subparsers."""
     parser = subparsers.add_parser(
         "bench", help="benchmark gluon_stream against MXNet's own ways, interleaved",
-        description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenarios", type=csv_list, default=list(bench.SCENARIOS),
-                        help=f"comma-separated, from {','.join(bench.SCENARIOS)} (default: all)")
+        describe=_description)
+    parser.add_argument("--scenarios", type=csv_list, default=None,
+                        help="comma-separated scenarios, named above (default: all)")
     parser.add_argument("--contenders", type=csv_list, default=None,
-                        help="comma-separated subset (naive and ndarrayiter always run: "
-                             "they are the references)")
-    parser.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds (medians)")
-    parser.add_argument("--shards", type=positive_int, default=6)
-    parser.add_argument("--rows", type=int, default=2576,
+                        help="comma-separated contenders, named above (default: all; naive and "
+                             "ndarrayiter always run: they are the references)")
+    parser.add_argument("--rounds", type=positive_int, default=3,
+                        help="interleaved rounds; tables show their medians")
+    parser.add_argument("--shards", type=positive_int, default=6, help="shards per epoch")
+    parser.add_argument("--rows", type=positive_int, default=2576,
                         help="raw rows per shard (samples = rows - time steps)")
     parser.add_argument("--inputs", type=positive_int, default=8, help="input columns of the series")
     parser.add_argument("--time-steps", type=positive_int, default=16, help="window length")
-    parser.add_argument("--batch-size", type=positive_int, default=64)
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="samples per batch")
     parser.add_argument("--step", choices=("sleep", "cpu"), default="sleep",
                         help="training step: sleep (an accelerator) or a small Gluon net")
-    parser.add_argument("--step-ms", type=float, default=8.0, help="sleep per batch (ms)")
-    parser.add_argument("--delay", type=float, default=None,
+    parser.add_argument("--step-ms", type=non_negative_float, default=8.0,
+                        help="sleep per batch, in ms")
+    parser.add_argument("--delay", type=non_negative_float, default=None,
                         help="generator seconds per shard for every scenario (default: set per "
                              "scenario from the generation/training ratio)")
-    parser.add_argument("--num-workers", type=int, default=2)
-    parser.add_argument("--producers", type=positive_int, default=2)
-    parser.add_argument("--prefetch", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-workers", type=non_negative_int, default=2,
+                        help="DataLoader workers of the contenders that use them")
+    parser.add_argument("--producers", type=positive_int, default=2,
+                        help="shards generated at once, for every contender but the defaults")
+    parser.add_argument("--prefetch", type=non_negative_int, default=2,
+                        help="shards produced ahead of the one in use")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the shuffles and the data")
     parser.add_argument("--throughput-samples", type=positive_int, default=20000,
                         help="samples of the 30x16 throughput array (the 8-float one gets 5x)")
-    parser.add_argument("--throughput-batch-size", type=positive_int, default=256)
-    parser.add_argument("--memory-rows", type=int, default=20000, help="raw rows per shard")
-    parser.add_argument("--memory-epochs", type=positive_int, default=50)
+    parser.add_argument("--throughput-batch-size", type=positive_int, default=256,
+                        help="batch size of the throughput scenario")
+    parser.add_argument("--memory-rows", type=positive_int, default=20000,
+                        help="raw rows per shard of the memory scenario")
+    parser.add_argument("--memory-epochs", type=positive_int, default=50,
+                        help="epochs of the memory scenario")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="skip the untimed warm-up pass")
-    parser.add_argument("--json", metavar="PATH", default=None, help="write the raw figures here")
+    parser.add_argument("--json", metavar="PATH", type=output_path, default=None,
+                        help="write every raw figure here (default: none)")
     parser.set_defaults(func=run_bench)
 
 
-def _config(args: argparse.Namespace) -> bench.BenchConfig:
+def _description() -> str:
+    from ..tools import bench
+
+    return (f"{plain_text(bench.__doc__)}\nscenarios: {', '.join(bench.SCENARIOS)}\n"
+            f"contenders: {', '.join(_contenders())}\n")
+
+
+def _contenders() -> list[str]:
+    """Every contender's name, once (some run in the pipeline and the throughput scenarios)."""
+    from ..tools import bench
+
+    return list(dict.fromkeys(bench.PIPELINE_CONTENDERS + bench.THROUGHPUT_CONTENDERS))
+
+
+def _config(args: argparse.Namespace) -> Any:
     """The bench configuration from parsed arguments; UsageError for what argparse cannot check."""
-    unknown = set(args.scenarios) - set(bench.SCENARIOS)
+    from ..tools import bench
+
+    scenarios = args.scenarios or list(bench.SCENARIOS)
+    unknown = set(scenarios) - set(bench.SCENARIOS)
     if unknown:
-        raise UsageError(f"--scenarios: unknown {sorted(unknown)}; choose from {bench.SCENARIOS}")
+        raise UsageError(f"--scenarios: unknown {sorted(unknown)}; choose from "
+                         f"{', '.join(bench.SCENARIOS)}")
     if args.contenders is not None:
-        known = bench.PIPELINE_CONTENDERS + bench.THROUGHPUT_CONTENDERS
+        known = _contenders()
         unknown = set(args.contenders) - set(known)
         if unknown:
-            raise UsageError(f"--contenders: unknown {sorted(unknown)}; choose from {known}")
+            raise UsageError(f"--contenders: unknown {sorted(unknown)}; choose from "
+                             f"{', '.join(known)}")
     if args.rows <= args.time_steps:
         raise UsageError(f"--rows must exceed --time-steps ({args.time_steps}), got {args.rows}")
     workload = bench.Workload(
@@ -67,7 +99,7 @@ def _config(args: argparse.Namespace) -> bench.BenchConfig:
         num_workers=args.num_workers, producers=args.producers, prefetch=args.prefetch,
         seed=args.seed)
     return bench.BenchConfig(
-        workload=workload, scenarios=args.scenarios, contenders=args.contenders,
+        workload=workload, scenarios=scenarios, contenders=args.contenders,
         rounds=args.rounds, delay=args.delay, throughput_samples=args.throughput_samples,
         throughput_batch_size=args.throughput_batch_size, memory_rows=args.memory_rows,
         memory_epochs=args.memory_epochs, warmup=args.warmup,
@@ -76,6 +108,8 @@ def _config(args: argparse.Namespace) -> bench.BenchConfig:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run the chosen scenarios, print the tables, write ``--json``; returns 0."""
+    from ..tools import bench
+
     results = bench.run_bench(_config(args))
     print(bench.format_results(results))
     if args.json:

@@ -21,38 +21,45 @@ from .. import CommandSource, StreamLoader
 from .._mx import require_mxnet
 from ..tools.generator import generator_command, make_windows
 from ..tools.models import small_regressor
-from ._args import UsageError, non_negative_float, positive_int
+from ._args import (UsageError, ensure_writable_dir, non_negative_float, non_negative_int,
+                    output_path, plain_text, positive_int)
 
-__all__ = ["register", "run_demo"]
+__all__ = ["DEFAULT_PLOT", "register", "run_demo"]
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_PLOT = "gluon_stream_timeline.png"
 
 
 def register(subparsers: Any) -> None:
     """Add the ``demo`` subcommand to the CLI's subparsers."""
     parser = subparsers.add_parser(
         "demo", help="train a small Gluon model on shards generated on demand",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=plain_text(__doc__))
     parser.add_argument("--shards", type=positive_int, default=6,
-                        help="shards (dates) per epoch (default 6)")
+                        help="shards (dates) per epoch")
     parser.add_argument("--rows", type=positive_int, default=4000,
-                        help="raw rows per shard (default 4000)")
-    parser.add_argument("--inputs", type=positive_int, default=8, help="input columns (default 8)")
+                        help="raw rows per shard; a shard gives rows - time steps windows")
+    parser.add_argument("--inputs", type=positive_int, default=8, help="input columns")
     parser.add_argument("--time-steps", type=positive_int, default=16,
-                        help="window length (default 16)")
+                        help="window length, less than --rows")
     parser.add_argument("--delay", type=non_negative_float, default=0.1,
-                        help="generator seconds per shard (default 0.1)")
-    parser.add_argument("--epochs", type=positive_int, default=2, help="default 2")
-    parser.add_argument("--batch-size", type=positive_int, default=128, help="default 128")
-    parser.add_argument("--prefetch", type=int, default=2, help="shards ahead (default 2)")
+                        help="seconds the generator sleeps per shard (the cost of making it)")
+    parser.add_argument("--epochs", type=positive_int, default=2, help="passes over the shards")
+    parser.add_argument("--batch-size", type=positive_int, default=128, help="windows per batch")
+    parser.add_argument("--prefetch", type=non_negative_int, default=2,
+                        help="shards produced ahead of the one in use")
     parser.add_argument("--producers", type=positive_int, default=2,
-                        help="shards generated in parallel (default 2)")
+                        help="shards generated in parallel")
     parser.add_argument("--cache-dir", default=None,
-                        help="keep shards here (default: a temporary directory, removed after)")
-    parser.add_argument("--plot", default="gluon_stream_timeline.png", metavar="PATH",
-                        help="write the timeline PNG here (default: %(default)s; '' for none)")
-    parser.add_argument("--trace", default=None, metavar="PATH",
-                        help="also write a Chrome/Perfetto trace JSON here")
+                        help="keep the shards here, created if needed, and reuse them next time "
+                             "(default: a temporary directory, removed after)")
+    parser.add_argument("--plot", type=output_path, default=None, metavar="PATH",
+                        help="write the timeline image here, in the format its suffix names "
+                             f"(default: {DEFAULT_PLOT} when matplotlib is installed; '' for "
+                             "none)")
+    parser.add_argument("--trace", type=output_path, default=None, metavar="PATH",
+                        help="also write a Chrome/Perfetto trace JSON here (default: none)")
     parser.add_argument("--no-progress", dest="progress", action="store_false",
                         help="no progress bars")
     parser.set_defaults(func=run_demo)
@@ -60,9 +67,18 @@ def register(subparsers: Any) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo; prints per-epoch samples/s, the stats table and where the timeline went."""
+    plot = _plot_path(args.plot)
+    windows = args.rows - args.time_steps
+    if windows <= 0:
+        raise UsageError(f"--time-steps ({args.time_steps}) must be less than --rows "
+                         f"({args.rows}): a shard of R rows gives R - time steps windows")
+    if args.shards * windows < args.batch_size:
+        raise UsageError(f"an epoch has {args.shards * windows} windows (--shards x (--rows - "
+                         f"--time-steps)), fewer than --batch-size ({args.batch_size}): no batch "
+                         "would be trained; raise --shards or --rows, or lower --batch-size")
+    if args.cache_dir:
+        ensure_writable_dir(args.cache_dir, "--cache-dir")
     require_mxnet()
-    if args.prefetch < 0:
-        raise UsageError(f"--prefetch must be >= 0, got {args.prefetch}")
 
     start = datetime.date(2024, 1, 1)
     keys = [(start + datetime.timedelta(days=i)).isoformat() for i in range(args.shards)]
@@ -87,18 +103,42 @@ def run_demo(args: argparse.Namespace) -> int:
                 print(f"epoch {epoch}: {samples} samples in {wall:.2f} s = "
                       f"{samples / wall:,.0f} samples/s, loss {total / max(samples, 1):.4f}")
             print(loader.stats.summary())
-            _export(loader.stats, args)
+            _export(loader.stats, plot, args.trace)
     return 0
 
 
-def _export(stats: Any, args: argparse.Namespace) -> None:
-    if args.trace:
-        print(f"chrome trace: {os.path.abspath(stats.to_chrome_trace(args.trace))}")
-    if not args.plot:
-        return
+def _plot_path(path: str | None) -> str:
+    """The timeline's path, checked before any work: ``''`` for none.
+
+    Without ``--plot`` the default is written when matplotlib is installed (a WARNING says why
+    not otherwise); an explicit ``--plot`` needs matplotlib and a format it can write.
+    """
     try:
-        stats.plot(args.plot)
-    except ImportError as exc:
-        logger.warning("no timeline written: %s", exc)
-        return
-    print(f"timeline: {os.path.abspath(args.plot)}")
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        if path:
+            raise UsageError("--plot needs matplotlib: pip install 'gluon_stream[plot]' "
+                             "(or --plot '' for no timeline)") from None
+        if path is None:
+            logger.warning("no timeline will be written: matplotlib is not installed "
+                           "(pip install 'gluon_stream[plot]')")
+        return ""
+    if path is None:  # the default: checked here, as argparse checked an explicit --plot
+        try:
+            path = output_path(DEFAULT_PLOT)
+        except argparse.ArgumentTypeError as exc:
+            raise UsageError(f"--plot: {exc} (give --plot PATH, or '' for none)") from None
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise UsageError(f"--plot {path!r}: matplotlib cannot write .{suffix} files; use one of "
+                         f"{', '.join('.' + f for f in sorted(formats))}")
+    return path
+
+
+def _export(stats: Any, plot: str, trace: str | None) -> None:
+    if trace:
+        print(f"chrome trace: {os.path.abspath(stats.to_chrome_trace(trace))}")
+    if plot:
+        stats.plot(plot)
+        print(f"timeline: {os.path.abspath(plot)}")

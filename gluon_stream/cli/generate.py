@@ -6,6 +6,7 @@ import concurrent.futures as cf
 import datetime
 import logging
 import os
+import re
 import shlex
 import sys
 from typing import Any, Sequence
@@ -15,7 +16,8 @@ from ..errors import StreamError
 from ..keys import validate_key
 from ..progress import make_tqdm
 from ..sources import CommandSource
-from ._args import UsageError, non_negative_float, positive_int
+from ._args import (UsageError, ensure_writable_dir, non_negative_float, non_negative_int,
+                    positive_int)
 
 __all__ = ["expand_keys", "register", "run_generate"]
 
@@ -38,15 +40,19 @@ def register(subparsers: Any) -> None:
     keys.add_argument("--keys", nargs="+", metavar="KEY",
                       help="keys; FIRST..LAST expands a range of ISO dates or integers")
     keys.add_argument("--keys-file", metavar="FILE", help="a file with one key per line")
-    parser.add_argument("--cache-dir", required=True, help="directory of finished shards")
-    parser.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1,
-                        help="generators run at once (default: CPU count)")
-    parser.add_argument("--epoch", type=int, default=0, help="value of {epoch} (default 0)")
+    parser.add_argument("--cache-dir", required=True,
+                        help="directory of finished shards, created if needed")
+    parser.add_argument("--jobs", type=positive_int, default=None,
+                        help="generators run at once (default: the CPU count)")
+    parser.add_argument("--epoch", type=non_negative_int, default=0,
+                        help="the value of {epoch} in the command")
     parser.add_argument("--timeout", type=non_negative_float, default=600.0,
-                        help="seconds per run before its process group is killed (0: none)")
-    parser.add_argument("--retries", type=int, default=2, help="extra attempts per key")
+                        help="seconds one run may take before its process group is killed "
+                             "(0: no limit)")
+    parser.add_argument("--retries", type=non_negative_int, default=2,
+                        help="attempts per key after the first fails, with backoff")
     parser.add_argument("--suffix", choices=SHARD_SUFFIXES, default=".npy",
-                        help="what the generator writes")
+                        help="the file type the generator writes")
     parser.add_argument("--no-progress", dest="progress", action="store_false",
                         help="no progress bar")
     parser.set_defaults(func=run_generate)
@@ -65,6 +71,9 @@ def expand_keys(items: Sequence[str]) -> list[str]:
         if not (sep and first and last):  # not a range; validate_key judges it
             out.append(item)
             continue
+        if first.startswith("-"):
+            raise UsageError(f"key range {item!r}: keys may not start with '-' (a generator "
+                             "would read them as options)")
         try:
             if first.isdigit() and last.isdigit():
                 lo, hi = int(first), int(last)
@@ -107,6 +116,10 @@ def run_generate(args: argparse.Namespace) -> int:
     try:
         for key in keys:
             validate_key(key)
+    except ValueError as exc:
+        raise UsageError(f"--keys: {exc}") from None
+    ensure_writable_dir(args.cache_dir, "--cache-dir")
+    try:
         source = CommandSource(keys, command, cache_dir=args.cache_dir,
                                timeout=args.timeout or None, retries=args.retries,
                                suffix=args.suffix, mmap=True)
@@ -114,7 +127,8 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     failed: list[tuple[str, BaseException]] = []
     hits = 0
-    with source, cf.ThreadPoolExecutor(args.jobs, thread_name_prefix="gluon_stream-generate") \
+    jobs = args.jobs or os.cpu_count() or 1
+    with source, cf.ThreadPoolExecutor(jobs, thread_name_prefix="gluon_stream-generate") \
             as pool, make_tqdm(total=len(keys), unit="shard", desc="generate",
                                disable=None if args.progress else True) as bar:
         futures = {pool.submit(source.produce, key, args.epoch): key for key in keys}
@@ -125,7 +139,7 @@ def run_generate(args: argparse.Namespace) -> int:
                     raw = fut.result()
                 except StreamError as exc:
                     failed.append((key, exc))
-                    logger.warning("shard %r failed: %s", key, exc)
+                    logger.info("shard %r failed: %s", key, exc)
                 else:
                     hits += raw.cache_hit
                     logger.info("shard %r %s: %s", key, "cached" if raw.cache_hit else
@@ -141,5 +155,27 @@ def run_generate(args: argparse.Namespace) -> int:
     print(f"{done}/{len(keys)} shards in {os.path.abspath(args.cache_dir)} "
           f"({done - hits} generated, {hits} already cached, {len(failed)} failed)")
     for key, exc in failed:
-        print(f"failed: {key}: {str(exc).splitlines()[0]}", file=sys.stderr)
+        print(_failure(key, exc), file=sys.stderr)
     return 1 if failed else 0
+
+
+# The library's messages name its keywords; the CLI's users know its flags.
+_FLAGS = [(re.compile(r"\b(timeout|retries)=(?=[\s;,)]|$)"), r"--\1"),
+          (re.compile(r"\b(timeout|retries)=(\S)"), r"--\1 \2"),
+          (re.compile(r"\bcache_dir\b"), "--cache-dir"),
+          (re.compile(r"\bfirst element of command\b"), "first word of --command")]
+TAIL_LINES = 5
+
+
+def _failure(key: str, exc: BaseException) -> str:
+    """What went wrong with one key, in CLI terms: the reason (without the command, which is
+    --command), how many attempts were made, then the generator's last stderr lines."""
+    message = str(exc)
+    reason = message.splitlines()[0] if message else type(exc).__name__
+    reason = reason.replace(f"shard {key!r}: ", "", 1).split("; command: ")[0]
+    gave_up = re.search(r"\(gave up after \d+ attempts[^)]*\)", message)
+    text = f"failed: {key}: {reason}" + (f" {gave_up.group(0)}" if gave_up else "")
+    for pattern, flag in _FLAGS:
+        text = pattern.sub(flag, text)
+    tail = (getattr(exc, "stderr_tail", "") or "").strip().splitlines()[-TAIL_LINES:]
+    return "\n".join([text, *(f"    {line}" for line in tail)])
