@@ -10,6 +10,7 @@ Importing gluon_stream does not import MXNet: that happens on first use (a loade
 from ._version import __version__
 from .errors import (BatchTimeout, CorruptShard, LoaderClosed, SchemaMismatch, ShardError,
                      ShardTimeout, StreamError, UnsafeShard, WorkerDied)
+from .errors import CommandNotFound, StaleShard, UnbatchableShard
 from .loader import StreamLoader
 from .shardfile import inspect_shard, load_shard, write_shard
 from .sources import CommandSource, FileSource, FunctionSource, Source
@@ -18,6 +19,7 @@ from .stream import Shard, ShardStream
 
 __all__ = [
     "BatchTimeout",
+    "CommandNotFound",
     "CommandSource",
     "CorruptShard",
     "FileSource",
@@ -29,10 +31,12 @@ __all__ = [
     "ShardStream",
     "ShardTimeout",
     "Source",
+    "StaleShard",
     "Stats",
     "StreamError",
     "StreamIter",
     "StreamLoader",
+    "UnbatchableShard",
     "UnsafeShard",
     "WorkerDied",
     "__version__",

@@ -6,9 +6,12 @@ they resemble, so ``except ValueError`` or ``except TimeoutError`` keep working:
     StreamError
         ShardError(RuntimeError)        the generator failed: key, argv, exit code, stderr tail
             ShardTimeout(TimeoutError)  the generator ran past its timeout
+            CommandNotFound             the generator's program is missing or not executable
         CorruptShard(ValueError)        bad magic/header/size, truncated, junk appended
         UnsafeShard(ValueError)         pickles, object arrays, symlinks out of the cache
         SchemaMismatch(ValueError)      dtypes or trailing shapes differ between shards
+            UnbatchableShard            a dtype or shape MXNet cannot batch (datetime64, str, ...)
+        StaleShard(ValueError)          a cached shard was made by another command or version
         WorkerDied(RuntimeError)        a DataLoader worker process died mid-shard
         BatchTimeout(TimeoutError)      one batch took longer than ``timeout``
         LoaderClosed(RuntimeError)      a closed loader or stream was used
@@ -19,12 +22,15 @@ from typing import Any, Sequence
 
 __all__ = [
     "BatchTimeout",
+    "CommandNotFound",
     "CorruptShard",
     "LoaderClosed",
     "SchemaMismatch",
     "ShardError",
     "ShardTimeout",
+    "StaleShard",
     "StreamError",
+    "UnbatchableShard",
     "UnsafeShard",
     "WorkerDied",
     "add_note",
@@ -92,6 +98,51 @@ class UnsafeShard(StreamError, ValueError):
 
 class SchemaMismatch(StreamError, ValueError):
     """A shard's arrays differ in count, dtype or trailing shape from the expected schema."""
+
+
+class CommandNotFound(ShardError):
+    """The generator's program cannot be started (``ENOENT``, ``EACCES``, ``ENOEXEC``).
+
+    Another attempt would fail the same way, so it is never retried.
+    """
+
+
+class UnbatchableShard(SchemaMismatch):
+    """An array MXNet cannot hold or batch: its dtype (datetime64, str, complex, uint16,
+    structured, ...) or a zero-size sample dimension.
+
+    Attributes:
+        array: The array's name (``.npz`` member or dict key) or its index.
+        dtype: Its numpy dtype.
+        shape: Its shape.
+        fix: What to convert it to, e.g. ``".astype('int32')"``.
+    """
+
+    def __init__(self, message: str, *, array: Any = None, dtype: Any = None,
+                 shape: tuple | None = None, fix: str = "") -> None:
+        super().__init__(message)
+        self.array = array
+        self.dtype = dtype
+        self.shape = shape
+        self.fix = fix
+
+
+class StaleShard(StreamError, ValueError):
+    """A cached shard was made by a different command, environment or ``version=`` than the
+    source's now (raised with ``on_change='raise'``; the default regenerates it).
+
+    Attributes:
+        path: The cached file.
+        key: The shard key.
+        change: What differs, in words.
+    """
+
+    def __init__(self, message: str, *, path: Any = None, key: Any = None,
+                 change: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+        self.key = key
+        self.change = change
 
 
 class WorkerDied(StreamError, RuntimeError):

@@ -6,6 +6,7 @@ import io
 import os
 import pickle
 import struct
+import warnings
 import zipfile
 
 import numpy as np
@@ -234,3 +235,242 @@ def test_normalize_arrays_refuses_what_cannot_be_batched():
         shardfile.normalize_arrays(np.float32(1), what="shard 1")
     with pytest.raises(ValueError, match=r"no arrays"):
         shardfile.normalize_arrays((), what="shard 1")
+
+
+# -- a shard's arrays share one sample axis -------------------------------------------------
+
+def test_npz_arrays_of_different_lengths_are_refused_from_their_headers(tmp_path, count_np_load):
+    for x, y in ((10, 7), (7, 10)):
+        path = tmp_path / f"xy{x}-{y}.npz"
+        np.savez(path, x=np.zeros((x, 3)), y=np.arange(y))
+        for read in (gs.inspect_shard, gs.load_shard):
+            with pytest.raises(gs.CorruptShard, match=rf"first \(sample\) dimension \('x': {x}, "
+                                                      rf"'y': {y}") as info:
+                read(path)
+            assert info.value.path == path
+    assert count_np_load == []  # refused before numpy reads any data
+
+
+def test_0d_arrays_have_no_sample_axis(tmp_path, count_np_load):
+    np.save(tmp_path / "scalar.npy", np.float32(3))
+    np.savez(tmp_path / "scalar.npz", x=np.zeros(3), y=np.float32(3))
+    with pytest.raises(gs.CorruptShard, match=r"array 'arr_0' is 0-d .*no sample axis"):
+        gs.load_shard(tmp_path / "scalar.npy")
+    with pytest.raises(gs.CorruptShard, match=r"array 'y' is 0-d"):
+        gs.inspect_shard(tmp_path / "scalar.npz")
+    assert count_np_load == []
+
+
+# -- bad files the fuzz found: typed errors, never raw ones ----------------------------------
+
+def raw_header(text: str) -> bytes:
+    raw = text.encode("latin1")
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(raw)) + raw
+
+
+def npz_with(members, method=zipfile.ZIP_STORED) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # duplicate names are one of the cases
+        for name, payload in members:
+            zf.writestr(zipfile.ZipInfo(name), payload, compress_type=method)
+    return buf.getvalue()
+
+
+def set_zip_field(data: bytes, local: int, central: int, value: int) -> bytes:
+    buf = bytearray(data)
+    for sig, offset in ((b"PK\x03\x04", local), (b"PK\x01\x02", central)):
+        start = 0
+        while (at := buf.find(sig, start)) >= 0:
+            struct.pack_into("<H", buf, at + offset, value)
+            start = at + 4
+    return bytes(buf)
+
+
+def damaged_bz2() -> bytes:
+    data = bytearray(npz_with([("x.npy", npy_bytes(np.arange(50.0)))], zipfile.ZIP_BZIP2))
+    start = data.index(b"BZh")
+    for i in range(8, 40):
+        data[start + i] ^= 0x55
+    return bytes(data)
+
+
+@pytest.mark.parametrize("name, payload, reason", [
+    ("unclosed-bracket",  # one flipped byte: '}' -> ' '; numpy's tokenizer raised TokenError
+     npy_bytes(np.ones(3)).replace(b"}", b" ", 1), r"bad header \(TokenError"),
+    ("zero-itemsize", raw_header("{'descr': '|V0', 'fortran_order': False, "
+                                 "'shape': (1099511627776,), }\n"), r"0-byte items"),
+    ("unaddressable", raw_header("{'descr': '<f4', 'fortran_order': False, "
+                                 "'shape': (0, 18446744073709551616), }\n"),
+     r"larger than numpy can address"),
+    ("bool-shape", raw_header("{'descr': '<f8', 'fortran_order': False, 'shape': (True,), }\n")
+     + b"\x00" * 8, r"holds a bool"),
+    ("subarray", raw_header("{'descr': ('<i4', (2,)), 'fortran_order': False, "
+                            "'shape': (3,), }\n") + b"\x00" * 24, r"subarray dtype"),
+    ("version-1.1", npy_bytes(np.ones(3)).replace(b"NUMPY\x01\x00", b"NUMPY\x01\x01"),
+     r"version 1.1"),
+    ("encrypted", set_zip_field(npz_with([("x.npy", npy_bytes(np.ones(3)))]), 6, 8, 1),
+     r"'x.npy' is encrypted"),
+    ("method-99", set_zip_field(npz_with([("x.npy", npy_bytes(np.ones(3)))]), 8, 10, 99),
+     r"compression method 99"),
+    ("bad-bz2", damaged_bz2(), r"bad .npz archive|unreadable"),
+    ("duplicate", npz_with([("x.npy", npy_bytes(np.ones(3))), ("x.npy", npy_bytes(np.ones(3)))]),
+     r"'x.npy' is ambiguous"),
+    ("shadowed", npz_with([("x.npy", npy_bytes(np.ones(3))),
+                           ("x.npy.npy", npy_bytes(np.zeros(3)))]), r"ambiguous"),
+])
+def test_damaged_files_raise_corrupt_shard_not_raw_errors(tmp_path, name, payload, reason):
+    path = tmp_path / f"{name}.bin"
+    path.write_bytes(payload)
+    for read in (gs.inspect_shard, gs.load_shard):
+        with pytest.raises(gs.CorruptShard, match=reason) as info:
+            read(path)
+        assert info.value.path == path and str(path) in str(info.value)
+
+
+@pytest.mark.timeout(20)
+def test_only_regular_files_are_opened(tmp_path):
+    fifo = tmp_path / "pipe.npy"
+    os.mkfifo(fifo)
+    for read in (gs.inspect_shard, gs.load_shard):  # a FIFO would block open() forever
+        with pytest.raises(gs.CorruptShard, match=r"is a FIFO \(named pipe\), not a shard file"):
+            read(fifo)
+    (tmp_path / "dir.npy").mkdir()
+    with pytest.raises(gs.CorruptShard, match=r"is a directory.*FileSource\('dir'\)"):
+        gs.load_shard(tmp_path / "dir.npy")
+
+
+def test_memory_mapped_loads_match_np_load(tmp_path):
+    for name, arr in (("c", np.arange(12.0).reshape(4, 3)),
+                      ("f", np.asfortranarray(np.arange(12, dtype=">i4").reshape(4, 3))),
+                      ("empty", np.zeros((0, 5), np.float32))):
+        np.save(tmp_path / f"{name}.npy", arr)
+        (got,) = gs.load_shard(tmp_path / f"{name}.npy", mmap=True)
+        want = np.load(tmp_path / f"{name}.npy", mmap_mode="r")
+        assert isinstance(got, np.memmap) and got.dtype == want.dtype
+        assert got.flags.f_contiguous == want.flags.f_contiguous
+        np.testing.assert_array_equal(got, want)
+        del got, want
+
+
+# -- what MXNet can batch ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("arr, fix", [
+    (np.array(["2024-01-01", "2024-01-02"], dtype="datetime64[D]"), r"astype\('int64'\)"),
+    (np.array([1, 2], dtype="timedelta64[s]"), r"np.timedelta64\(1, 's'\)"),
+    (np.arange(2, dtype=np.uint16), r"astype\('int32'\)"),
+    (np.arange(2, dtype=np.int16), r"astype\('int32'\)"),
+    (np.arange(2, dtype=np.uint32), r"astype\('int64'\)"),
+    (np.arange(2) * 1j, r"split real and imaginary parts"),
+    (np.array(["ab", "c"]), r"integer ids"),
+    (np.array([b"ab", b"c"]), r"integer ids"),
+    (np.zeros(2, dtype=[("a", "<i4"), ("b", "<f8")]), r"each field as its own array"),
+    (np.zeros(2, dtype="V4"), r"view the bytes as uint8"),
+    (np.zeros(2, dtype=np.longdouble), r"astype\('float64'\)"),
+])
+def test_dtypes_mxnet_cannot_batch_are_named_with_a_fix(tmp_path, arr, fix):
+    labels = np.zeros(len(arr), np.float32)
+    with pytest.raises(gs.UnbatchableShard, match=rf"shard '2024-01-01': array 1 has dtype "
+                                                  rf".*MXNet cannot batch.*{fix}") as info:
+        shardfile.check_batchable((labels, arr), what="shard '2024-01-01'")
+    assert info.value.array == 1 and info.value.dtype == arr.dtype and info.value.fix
+    assert isinstance(info.value, gs.SchemaMismatch)
+    np.savez(tmp_path / "s.npz", x=labels, label=arr)  # the same rule on a file's headers
+    with pytest.raises(gs.UnbatchableShard, match=r"file 's.npz': array 'label' has dtype"):
+        shardfile.check_batchable(gs.inspect_shard(tmp_path / "s.npz"), what="file 's.npz'")
+    with pytest.raises(gs.UnbatchableShard, match=r"array 'label'"):
+        shardfile.check_batchable({"x": labels, "label": arr}, what="shard 1")
+
+
+def test_batchable_arrays_pass_and_empty_sample_axes_do_not():
+    ok = [np.zeros((4, 3), np.dtype(d).newbyteorder(order)) for d in shardfile.MXNET_DTYPES
+          for order in "<>"]
+    shardfile.check_batchable(ok, what="shard 1")
+    shardfile.check_batchable(np.zeros((0, 3)), what="shard 1")  # an empty shard is fine
+    with pytest.raises(gs.UnbatchableShard, match=r"array 0 has shape \(4, 0\): MXNet 1.9 reads "
+                                                  r"a 0 in a shape as unknown"):
+        shardfile.check_batchable(np.zeros((4, 0), np.float32), what="shard 1")
+    with pytest.raises(gs.UnbatchableShard, match=r"is 0-d"):
+        shardfile.check_batchable([np.float32(1)], what="shard 1")
+
+
+@pytest.mark.mxnet
+def test_mxnet_dtypes_is_the_installed_mxnets_table():
+    import mxnet as mx
+
+    table = mx.ndarray.ndarray._DTYPE_NP_TO_MX  # read here only to keep MXNET_DTYPES honest
+    holds = {np.dtype(t) for t in table if t is not None and np.dtype(t).names is None}
+    assert holds == set(shardfile.MXNET_DTYPES)
+    for dtype in ("datetime64[D]", "uint16", "complex64", "U3", "int16"):
+        with pytest.raises(KeyError):  # what users saw, naming no shard
+            mx.nd.empty((2,), dtype=dtype)
+
+
+# -- what a function returns ---------------------------------------------------------------------
+
+class FakeNDArray:
+    """Stands in for mx.nd.NDArray: no __array__, numpy would see a sequence of objects."""
+
+    def __init__(self, arr):
+        self._arr = arr
+
+    def asnumpy(self):
+        return self._arr.copy()
+
+    def __len__(self):
+        return len(self._arr)
+
+    def __getitem__(self, i):
+        return FakeNDArray(self._arr[i])
+
+
+def test_ndarray_like_values_are_accepted_without_warnings(recwarn):
+    x, y = np.arange(6.0).reshape(3, 2), np.arange(3)
+    out = shardfile.normalize_arrays((FakeNDArray(x), FakeNDArray(y)), what="shard 1")
+    np.testing.assert_array_equal(out[0], x)
+    np.testing.assert_array_equal(out[1], y)
+    (single,) = shardfile.normalize_arrays(FakeNDArray(x), what="shard 1")
+    np.testing.assert_array_equal(single, x)
+    label, data = shardfile.normalize_arrays({"softmax_label": FakeNDArray(y),
+                                              "data": FakeNDArray(x)}, what="shard 1")
+    assert (label.shape, data.shape) == ((3,), (3, 2))  # a dict keeps its key order
+    assert [str(w.message) for w in recwarn] == []
+
+
+@pytest.mark.mxnet
+def test_real_ndarrays_are_accepted(recwarn):
+    import mxnet as mx
+
+    data, label = shardfile.normalize_arrays({"data": mx.nd.ones((4, 2)), "label": mx.nd.zeros(4)},
+                                             what="shard 1")
+    assert data.shape == (4, 2) and label.shape == (4,) and isinstance(data, np.ndarray)
+    assert [str(w.message) for w in recwarn] == []
+
+
+def test_a_list_of_same_shaped_rows_is_ambiguous():
+    rows = [np.arange(4.0) + i for i in range(10)]
+    with pytest.raises(gs.SchemaMismatch, match=r"a list of 10 arrays of one shape \(4,\) .* "
+                                                r"ambiguous .*tuple of columns.*np.stack\(rows\)"):
+        shardfile.normalize_arrays(rows, what="shard 1")
+    with pytest.raises(gs.SchemaMismatch, match=r"ambiguous"):
+        shardfile.normalize_arrays([[1.0, 2.0], [3.0, 4.0]], what="shard 1")
+    columns = shardfile.normalize_arrays([np.zeros((10, 4)), np.arange(10)], what="shard 1")
+    assert [c.shape for c in columns] == [(10, 4), (10,)]  # unambiguous: columns
+    same = shardfile.normalize_arrays(tuple(rows[:2]), what="shard 1")
+    assert len(same) == 2  # a tuple is always columns
+
+
+# -- disk full -----------------------------------------------------------------------------------
+
+def test_a_short_write_without_errno_is_disk_full(tmp_path, monkeypatch):
+    def short_write(fp, array, **kw):
+        fp.write(b"\x93NUMPY")
+        raise OSError("800 requested and 0 written")  # what numpy's tofile raises
+
+    monkeypatch.setattr(np.lib.format, "write_array", short_write)
+    with pytest.raises(gs.ShardError, match=r"disk full .*800 requested and 0 written") as info:
+        gs.write_shard(tmp_path / "s.npy", np.ones(100))
+    assert info.value.disk_full
+    assert os.listdir(tmp_path) == []
+    assert shardfile.is_disk_full("OSError: 8192 requested and 4096 written")
+    assert not shardfile.is_disk_full(OSError("transient"))
