@@ -110,7 +110,7 @@ class ProgressBar:
 
             postfix = ", ".join(f"{k}={v}" for k, v in self._postfix.items())
             self._file.write(tqdm.format_meter(record.batches, self._total, record.wall_s,
-                                               prefix=f"{self._desc}: ", unit="batch",
+                                               prefix=self._desc, unit="batch",
                                                postfix=postfix) + "\n")
             self._file.flush()
 

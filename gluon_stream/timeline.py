@@ -10,25 +10,30 @@ import logging
 import os
 from typing import Any
 
-__all__ = ["COLORS", "PRODUCER_PHASES", "TRAIN_LANE", "TRAIN_PHASES", "plot_timeline",
-           "write_chrome_trace"]
+__all__ = ["COLORS", "PRODUCER_PHASES", "TRAIN_LANE", "TRAIN_PHASES", "epoch_starts",
+           "plot_timeline", "shard_extents", "write_chrome_trace"]
 
 logger = logging.getLogger(__name__)
 
 TRAIN_LANE = "train"
 PRODUCER_PHASES = ("generate", "load", "transform")
 TRAIN_PHASES = ("busy", "wait")
-COLORS = {"generate": "#e8a33d", "load": "#4c8bd6", "transform": "#59a14f",
-          "busy": "#2f7d32", "wait": "#d62728"}
+# Told apart also by colour-blind eyes: the loop's busy/wait differ in lightness and blue, and
+# no producer phase shares a hue with them (transform was a second green).
+COLORS = {"generate": "#e8a33d", "load": "#4c8bd6", "transform": "#b07aa1",
+          "busy": "#1b9e77", "wait": "#d62728"}
+LABEL_PT = 7  # font size of the shard keys and epoch marks
 
 
 def plot_timeline(stats: Any, path: str | os.PathLike | None = None, *, ax: Any = None,
                   title: str | None = None) -> Any:
     """Draw the pipeline timeline: one lane per producer, one for the training loop.
 
-    Producer lanes show ``generate``/``load``/``transform`` spans; the ``train`` lane shows
+    Producer lanes show ``generate``/``load``/``transform`` spans, each shard labelled with
+    its key where the bar has room (the Chrome trace has every key); the ``train`` lane shows
     ``busy`` (your loop body) and ``wait`` (waiting for the next batch): red on the
-    bottom lane is time the accelerator sat idle for lack of data. Needs matplotlib
+    bottom lane is time the accelerator sat idle for lack of data. A dashed line marks where
+    each epoch started, ``*`` one that was interrupted. Needs matplotlib
     (``pip install 'gluon_stream[plot]'``).
 
     Args:
@@ -64,17 +69,23 @@ def plot_timeline(stats: Any, path: str | os.PathLike | None = None, *, ax: Any 
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(10, 1.0 + 0.6 * max(len(lanes), 1)))
-    _draw(ax, spans, lanes, title, stats.totals())
+    epochs = epoch_starts(list(stats.epochs), spans)
+    _draw(ax, spans, lanes, title, stats.totals(), epochs)
     fig.tight_layout()
+    _label_shards(ax, spans, lanes)
     if path is not None:
         fig.savefig(os.fspath(path), dpi=100)
         logger.info("timeline written to %s", os.fspath(path))
     return fig
 
 
+def _rows(lanes: list[str]) -> dict[str, int]:
+    return {lane: len(lanes) - 1 - i for i, lane in enumerate(lanes)}  # train at the bottom
+
+
 def _draw(ax: Any, spans: list, lanes: list[str], title: str | None,
-          totals: dict) -> None:
-    rows = {lane: len(lanes) - 1 - i for i, lane in enumerate(lanes)}  # train at the bottom
+          totals: dict, epochs: list[tuple[float, str]]) -> None:
+    rows = _rows(lanes)
     labelled: set[str] = set()
     for lane in lanes:
         phases = TRAIN_PHASES if lane == TRAIN_LANE else PRODUCER_PHASES
@@ -92,18 +103,74 @@ def _draw(ax: Any, spans: list, lanes: list[str], title: str | None,
     ax.set_yticks(list(rows.values()))
     ax.set_yticklabels([_short_lane(lane) for lane in rows])
     ax.set_ylim(-0.6, max(len(lanes), 1) - 0.4)
-    ax.set_xlabel("seconds since the stream was created")
+    for start, label in epochs:
+        ax.axvline(start, color="#555555", linestyle="--", linewidth=0.8)
+        ax.text(start, 1.0, f" {label}", transform=ax.get_xaxis_transform(), ha="left",
+                va="bottom", fontsize=LABEL_PT, color="#555555")
+    interrupted = any(label.endswith("*") for _, label in epochs)
+    ax.set_xlabel("seconds since the stream was created"
+                  + ("   (* an epoch interrupted before its end)" if interrupted else ""))
     if title is None:
         wait = totals.get((TRAIN_LANE, "wait"), 0.0)
         busy = totals.get((TRAIN_LANE, "busy"), 0.0)
         title = (f"training loop waited {wait:.2f} s of {wait + busy:.2f} s "
                  f"({100.0 * wait / (wait + busy):.0f}%)" if wait + busy > 0
                  else "gluon_stream timeline (no training-loop spans yet)")
-    ax.set_title(title)
+    ax.set_title(title, pad=12 if epochs else 6)
     if labelled:
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     if not spans:
         ax.text(0.5, 0.5, "no spans recorded", transform=ax.transAxes, ha="center")
+
+
+def epoch_starts(epochs: list, spans: list) -> list[tuple[float, str]]:
+    """Where each epoch began on the timeline, and its label (``"epoch 2*"`` if interrupted).
+
+    The loader records one ``wait`` span per batch it delivers, the first from the start of
+    its pass, so epoch e began where its first batch's wait did. Counted back from the latest
+    span, as the oldest spans may have been dropped (``Stats.MAX_SPANS``); epochs without a
+    batch, or older than the spans kept, are left out.
+    """
+    waits = [s.start for s in spans if s.lane == TRAIN_LANE and s.name == "wait"]
+    marks: list[tuple[float, str]] = []
+    end = len(waits)
+    for record in reversed(epochs):
+        first = end - record.batches
+        if first < 0:
+            break
+        if record.batches:
+            marks.append((waits[first], f"epoch {record.epoch}{'' if record.complete else '*'}"))
+        end = first
+    return marks[::-1]
+
+
+def shard_extents(spans: list) -> list[tuple[str, float, float, Any]]:
+    """``(lane, start, end, key)`` per shard a producer made: from its ``generate`` span to
+    the end of the spans that follow it on that lane with the same key (load, transform)."""
+    extents: list[list] = []
+    for s in sorted((s for s in spans if s.lane != TRAIN_LANE and s.key is not None),
+                    key=lambda s: (s.lane, s.start, PRODUCER_PHASES.index(s.name)
+                                   if s.name in PRODUCER_PHASES else 0)):
+        last = extents[-1] if extents else None
+        if s.name == "generate" or last is None or (last[0], last[3]) != (s.lane, s.key):
+            extents.append([s.lane, s.start, s.end, s.key])
+        else:
+            last[2] = max(last[2], s.end)
+    return [tuple(e) for e in extents]
+
+
+def _label_shards(ax: Any, spans: list, lanes: list[str]) -> None:
+    """Write each shard's key over its bar where the key fits (an estimate of its width)."""
+    rows = _rows(lanes)
+    lo, hi = ax.get_xlim()
+    fig = ax.figure
+    px_per_s = ax.get_position().width * fig.get_figwidth() * fig.dpi / max(hi - lo, 1e-12)
+    char_px = 0.62 * LABEL_PT * fig.dpi / 72
+    for lane, start, end, key in shard_extents(spans):
+        text = str(key)
+        if (end - start) * px_per_s >= (len(text) + 1) * char_px:
+            ax.text((start + end) / 2, rows[lane], text, ha="center", va="center",
+                    fontsize=LABEL_PT, color="black", clip_on=True)
 
 
 def write_chrome_trace(stats: Any, path: str | os.PathLike) -> str:
