@@ -8,6 +8,8 @@ GluonCV model zoo (``pretrained=False``: nothing is downloaded) trains for an ep
 
     python examples/gluoncv_classification.py            # 8 shards of 256 images
     python examples/gluoncv_classification.py --tiny     # seconds, for CI
+
+Needs GluonCV: pip install 'gluon_stream[examples]'.
 """
 from __future__ import annotations
 
@@ -18,8 +20,6 @@ from typing import Sequence
 
 import mxnet as mx
 import numpy as np
-from gluoncv import model_zoo
-from gluoncv.data.transforms import image as gcv_image
 from mxnet import autograd, gluon
 from mxnet.gluon.data.vision import transforms
 
@@ -42,15 +42,25 @@ def make_images(key: int, count: int, size: int):
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shards", type=int, default=8)
-    parser.add_argument("--images", type=int, default=256, help="images per shard")
-    parser.add_argument("--size", type=int, default=32, help="image height and width")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--tiny", action="store_true", help="a few seconds (CI)")
+    parser.add_argument("--shards", type=int, default=8, help="shards per epoch (default: 8)")
+    parser.add_argument("--images", type=int, default=256,
+                        help="images per shard (default: 256)")
+    parser.add_argument("--size", type=int, default=32,
+                        help="image height and width in pixels (default: 32)")
+    parser.add_argument("--batch-size", type=int, default=64,
+                        help="images per batch (default: 64)")
+    parser.add_argument("--epochs", type=int, default=1, help="epochs (default: 1)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="2 shards of 24 images, batches of 8: seconds (CI)")
     args = parser.parse_args(argv)
     if args.tiny:
         args.shards, args.images, args.batch_size = 2, 24, 8
+    try:
+        from gluoncv import model_zoo
+        from gluoncv.data.transforms import image as gcv_image
+    except ImportError as exc:
+        raise SystemExit(f"this example needs GluonCV ({exc}): "
+                         "pip install 'gluon_stream[examples]'") from None
 
     to_tensor = transforms.Compose([transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
 

@@ -54,12 +54,17 @@ def mlp() -> mx.sym.Symbol:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shards", type=int, default=10)
-    parser.add_argument("--rows", type=int, default=2000, help="samples per shard")
-    parser.add_argument("--batch-size", type=int, default=100)
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--prefetching", action="store_true", help="wrap in PrefetchingIter")
-    parser.add_argument("--tiny", action="store_true", help="a few seconds (CI)")
+    parser.add_argument("--shards", type=int, default=10,
+                        help="training shards per epoch (default: 10)")
+    parser.add_argument("--rows", type=int, default=2000,
+                        help="samples per shard (default: 2000)")
+    parser.add_argument("--batch-size", type=int, default=100,
+                        help="samples per batch (default: 100)")
+    parser.add_argument("--epochs", type=int, default=2, help="epochs (default: 2)")
+    parser.add_argument("--prefetching", action="store_true",
+                        help="wrap the training iterator in mx.io.PrefetchingIter")
+    parser.add_argument("--tiny", action="store_true",
+                        help="3 shards of 150 samples, batches of 32: seconds (CI)")
     args = parser.parse_args(argv)
     if args.tiny:
         args.shards, args.rows, args.batch_size = 3, 150, 32

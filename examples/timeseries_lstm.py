@@ -53,15 +53,21 @@ class ThreeHeadLSTM(gluon.HybridBlock):
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dates", type=int, default=8)
-    parser.add_argument("--rows", type=int, default=3000)
-    parser.add_argument("--inputs", type=int, default=8)
-    parser.add_argument("--time-steps", type=int, default=24)
-    parser.add_argument("--hidden", type=int, default=32)
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--delay", type=float, default=0.2, help="generator seconds per date")
-    parser.add_argument("--tiny", action="store_true", help="a few seconds (CI)")
+    parser.add_argument("--dates", type=int, default=8,
+                        help="dates (shards) per epoch (default: 8)")
+    parser.add_argument("--rows", type=int, default=3000,
+                        help="raw rows per date (default: 3000)")
+    parser.add_argument("--inputs", type=int, default=8, help="input columns (default: 8)")
+    parser.add_argument("--time-steps", type=int, default=24,
+                        help="window length, less than --rows (default: 24)")
+    parser.add_argument("--hidden", type=int, default=32, help="LSTM units (default: 32)")
+    parser.add_argument("--epochs", type=int, default=2, help="epochs (default: 2)")
+    parser.add_argument("--batch-size", type=int, default=128,
+                        help="windows per batch (default: 128)")
+    parser.add_argument("--delay", type=float, default=0.2,
+                        help="seconds the generator sleeps per date (default: 0.2)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="3 dates of 150 rows, no delay: seconds (CI)")
     args = parser.parse_args(argv)
     if args.tiny:
         args.dates, args.rows, args.inputs, args.time_steps = 3, 150, 3, 8

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -76,11 +77,40 @@ def test_quickstart_notebook_executes_without_errors(tmp_path):
     assert any("image/png" in o.get("data", {}) for o in outputs)  # the timeline plot
 
 
-@pytest.mark.parametrize("name", ["timeseries_lstm.py", "gluoncv_classification.py",
-                                  "module_fit.py"])
-def test_examples_have_help_and_a_docstring(name):
+def test_resume_training_continues_with_the_batches_an_uninterrupted_run_sees(tmp_path):
+    out = run([sys.executable, example("resume_training.py"), "--tiny"], tmp_path).splitlines()
+    assert "preempted after 7 batches" in out[0] and "resumed at epoch 0, batch 7" in out
+    assert out[-1] == "resumed run = uninterrupted run: the same 50 batches"
+
+
+EXAMPLES = ["timeseries_lstm.py", "gluoncv_classification.py", "module_fit.py",
+            "resume_training.py"]
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_examples_have_help_for_every_option_and_tiny(name):
     out = run([sys.executable, example(name), "--help"], ROOT)
-    assert "--tiny" in out
+    options = out.split("options:", 1)[1]
+    blocks = re.split(r"\n(?=  -)", options.strip("\n"))
+    helps = {b.split()[0].rstrip(","): re.match(r"\s*(-.*?)(\s{2,}|$)(.*)",
+                                                 b.replace("\n", "  "), re.S).group(3).strip()
+             for b in blocks}
+    assert "--tiny" in helps and all(helps.values()), helps
+
+
+def test_gluoncv_example_without_gluoncv_has_help_and_names_the_extra(tmp_path):
+    def run_blocked(*argv):
+        code = ("import runpy, sys; sys.modules['gluoncv'] = None; "
+                f"sys.argv = [{example('gluoncv_classification.py')!r}, *{list(argv)!r}]; "
+                "runpy.run_path(sys.argv[0], run_name='__main__')")
+        return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=TIMEOUT_S)
+
+    helped = run_blocked("--help")
+    assert helped.returncode == 0 and "--tiny" in helped.stdout, helped.stderr[-2000:]
+    refused = run_blocked("--tiny")
+    assert refused.returncode == 1
+    assert refused.stderr.strip().endswith("pip install 'gluon_stream[examples]'"), refused.stderr
 
 
 def readme_snippets() -> list[str]:
