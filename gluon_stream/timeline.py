@@ -30,9 +30,10 @@ def plot_timeline(stats: Any, path: str | os.PathLike | None = None, *, ax: Any 
     """Draw the pipeline timeline: one lane per producer, one for the training loop.
 
     Producer lanes show ``generate``/``load``/``transform`` spans, each shard labelled with
-    its key where the bar has room (the Chrome trace has every key); the ``train`` lane shows
-    ``busy`` (your loop body) and ``wait`` (waiting for the next batch): red on the
-    bottom lane is time the accelerator sat idle for lack of data. A dashed line marks where
+    its key (or its end, ``…01-12``, where the bar is short; the Chrome trace has every key);
+    the ``train`` lane shows ``busy`` (your loop body) and ``wait`` (waiting for the next
+    batch): red on the bottom lane is time the accelerator sat idle for lack of data. A
+    dashed line marks where
     each epoch started, ``*`` one that was interrupted. Needs matplotlib
     (``pip install 'gluon_stream[plot]'``).
 
@@ -72,6 +73,7 @@ def plot_timeline(stats: Any, path: str | os.PathLike | None = None, *, ax: Any 
     epochs = epoch_starts(list(stats.epochs), spans)
     _draw(ax, spans, lanes, title, stats.totals(), epochs)
     fig.tight_layout()
+    _mark_epochs(ax, epochs)
     _label_shards(ax, spans, lanes)
     if path is not None:
         fig.savefig(os.fspath(path), dpi=100)
@@ -103,10 +105,6 @@ def _draw(ax: Any, spans: list, lanes: list[str], title: str | None,
     ax.set_yticks(list(rows.values()))
     ax.set_yticklabels([_short_lane(lane) for lane in rows])
     ax.set_ylim(-0.6, max(len(lanes), 1) - 0.4)
-    for start, label in epochs:
-        ax.axvline(start, color="#555555", linestyle="--", linewidth=0.8)
-        ax.text(start, 1.0, f" {label}", transform=ax.get_xaxis_transform(), ha="left",
-                va="bottom", fontsize=LABEL_PT, color="#555555")
     interrupted = any(label.endswith("*") for _, label in epochs)
     ax.set_xlabel("seconds since the stream was created"
                   + ("   (* an epoch interrupted before its end)" if interrupted else ""))
@@ -116,7 +114,7 @@ def _draw(ax: Any, spans: list, lanes: list[str], title: str | None,
         title = (f"training loop waited {wait:.2f} s of {wait + busy:.2f} s "
                  f"({100.0 * wait / (wait + busy):.0f}%)" if wait + busy > 0
                  else "gluon_stream timeline (no training-loop spans yet)")
-    ax.set_title(title, pad=12 if epochs else 6)
+    ax.set_title(title, pad=2 * LABEL_PT + 8 if epochs else 6)
     if labelled:
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     if not spans:
@@ -160,17 +158,42 @@ def shard_extents(spans: list) -> list[tuple[str, float, float, Any]]:
 
 
 def _label_shards(ax: Any, spans: list, lanes: list[str]) -> None:
-    """Write each shard's key over its bar where the key fits (an estimate of its width)."""
+    """Write each shard's key over its bar, or the end of the key that fits (``…01-12``)."""
     rows = _rows(lanes)
+    px_per_s, char_px = _scale(ax)
+    for lane, start, end, key in shard_extents(spans):
+        room = int((end - start) * px_per_s / char_px) - 1  # characters, a margin kept
+        text = str(key)
+        if len(text) > room:
+            text = "…" + text[len(text) - room + 1:] if room >= 3 else ""
+        if text:
+            ax.text((start + end) / 2, rows[lane], text, ha="center", va="center",
+                    fontsize=LABEL_PT, color="black", clip_on=True)
+
+
+def _mark_epochs(ax: Any, epochs: list[tuple[float, str]]) -> None:
+    """A dashed line where each epoch began, its label above the axes (a second row where
+    two labels would overlap)."""
+    from matplotlib.transforms import offset_copy
+
+    px_per_s, char_px = _scale(ax)
+    rows = [ax.get_xaxis_transform(),
+            offset_copy(ax.get_xaxis_transform(), fig=ax.figure, y=LABEL_PT + 2, units="points")]
+    free = [-float("inf")] * 2  # where each row of labels is free again, in seconds
+    for start, label in epochs:
+        ax.axvline(start, color="#555555", linestyle="--", linewidth=0.8)
+        row = 0 if start >= free[0] else 1
+        free[row] = start + (len(label) + 2) * char_px / px_per_s
+        ax.text(start, 1.0, f" {label}", transform=rows[row], ha="left", va="bottom",
+                fontsize=LABEL_PT, color="#555555")
+
+
+def _scale(ax: Any) -> tuple[float, float]:
+    """Pixels per second on the x axis, and the (estimated) width of a label character."""
     lo, hi = ax.get_xlim()
     fig = ax.figure
     px_per_s = ax.get_position().width * fig.get_figwidth() * fig.dpi / max(hi - lo, 1e-12)
-    char_px = 0.62 * LABEL_PT * fig.dpi / 72
-    for lane, start, end, key in shard_extents(spans):
-        text = str(key)
-        if (end - start) * px_per_s >= (len(text) + 1) * char_px:
-            ax.text((start + end) / 2, rows[lane], text, ha="center", va="center",
-                    fontsize=LABEL_PT, color="black", clip_on=True)
+    return px_per_s, 0.62 * LABEL_PT * fig.dpi / 72
 
 
 def write_chrome_trace(stats: Any, path: str | os.PathLike) -> str:

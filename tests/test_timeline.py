@@ -57,14 +57,17 @@ def test_colours_can_be_told_apart():
     assert closest[0] >= 100, closest  # transform and busy were two greens 62 apart
 
 
+LONG_KEY = "shard-" + "0" * 80 + "42"
+
+
 def two_epochs_stats():
-    """Shards 'wide' and 'x' on one producer, 'tiny' on the other; epoch 0 of 2 batches from
-    t=1, epoch 1 interrupted after 1 batch from t=12."""
+    """Shards 'wide' and one with a long key on one producer, 'tiny' on the other; epoch 0 of
+    2 batches from t=1, epoch 1 interrupted after 1 batch from t=12."""
     from gluon_stream.stats import EpochRecord, Stats
 
     stats = Stats(clock=lambda: 0.0)
     p0, p1 = "gluon_stream-producer_0", "gluon_stream-producer_1"
-    shards = [(p0, "wide", 0.0), (p1, "tiny", 0.0), (p0, "x", 5.0)]
+    shards = [(p0, "wide", 0.0), (p1, "tiny", 0.0), (p0, LONG_KEY, 5.0)]
     for lane, key, t in shards:  # generate 4 s, load 0.5 s, transform 0.5 s; tiny: 12.5 ms
         scale = 0.0025 if key == "tiny" else 1.0
         for name, a, b in [("generate", 0.0, 4.0), ("load", 4.0, 4.5), ("transform", 4.5, 5.0)]:
@@ -85,7 +88,9 @@ def test_plot_marks_epochs_and_labels_the_shards_it_has_room_for(tmp_path):
     texts = {t.get_text().strip(): t for t in ax.texts}
     assert {"epoch 0", "epoch 1*"} <= set(texts)
     assert "interrupted" in ax.get_xlabel()
-    assert {"wide", "x"} <= set(texts) and "tiny" not in texts  # 10 ms has no room for a key
+    assert "wide" in texts and "tiny" not in texts  # 12.5 ms has no room for a key
+    long, = (t for t in texts if t.endswith("42"))
+    assert long.startswith("…") and LONG_KEY.endswith(long[1:]) and len(long) < len(LONG_KEY)
     assert texts["wide"].get_position() == (2.5, 2)  # centred on its shard, producer_0's lane
 
 
