@@ -8,13 +8,16 @@ a resume starts) and one of two ways to turn planned batches into data, chosen a
   the (already shuffled) shard into one NDArray in the background; batches are contiguous
   slices of it. No per-sample Python work, no worker pool, rotation costs microseconds,
   and the batches are exactly those a ``gluon.data.DataLoader`` would build.
-* **DataLoader** (a ``batchify_fn`` or ``sample_transform`` is given): a
-  ``gluon.data.DataLoader`` with the user's ``num_workers``/``thread_pool``/``pin_memory``
-  iterates each shard's planned batches (see :mod:`gluon_stream._mx.dataloader`).
+* **per-sample** (a ``batchify_fn`` or ``sample_transform`` is given): samples are made and
+  batched by workers (:mod:`gluon_stream._mx.workers`): in the loop's thread
+  (``num_workers=0``), in threads (``thread_pool=True``), or, by default for
+  ``num_workers > 0`` as in Gluon, in worker processes forked once per loader and fed each shard
+  through shared memory. Batches are submitted ahead, across shard boundaries.
 """
 from __future__ import annotations
 
-import contextlib
+import collections
+import itertools
 import logging
 import weakref
 from concurrent.futures import Executor
@@ -25,44 +28,89 @@ import numpy as np
 from . import _validate
 from ._closing import Closing
 from ._mx import arrays as mx_arrays
-from ._mx import dataloader as mx_dataloader
 from ._mx import require_mxnet
+from ._mx import shm as mx_shm
+from ._mx import workers as mx_workers
+from ._mx.samples import SAMPLE_FORMATS
 from .batching import LAST_BATCH_MODES, Batch, BatchPlanner, Position, Segment, UnitPlan
-from .errors import LoaderClosed, WorkerDied
+from .errors import LoaderClosed
+from .progress import ProgressBar
 from .sources import Source
 from .stats import EpochRecord, Stats
-from .progress import ProgressBar
 from .stream import EpochRun, Shard, ShardStream
 
 __all__ = ["StreamLoader"]
 
 logger = logging.getLogger(__name__)
 
-#: Options of the stream a loader builds; given together with a ShardStream they clash.
-STREAM_OPTIONS = ("transform", "shuffle", "seed", "prefetch", "producers", "on_error", "schema",
-                  "stats", "num_parts", "part_index", "kvstore", "shard_sizes")
-
-
 class _Carry:
     """The data of the samples the planner carries, in the planner's segment order.
 
-    Chunks are tuples of NDArrays (vectorised path) or lists of samples (DataLoader path).
+    Chunks are tuples of arrays (copies of the carried rows: NDArrays on the vectorised path,
+    numpy arrays on the per-sample path), so a small leftover never keeps its shard alive.
     """
 
     def __init__(self) -> None:
-        self.chunks: list = []
+        self.chunks: list[tuple] = []
         self.segments: list[Segment] = []
 
-    def add(self, segment: Segment, chunk: Any) -> None:
+    def add(self, segment: Segment, chunk: tuple) -> None:
         self.segments.append(segment)
         self.chunks.append(chunk)
 
-    def take_all(self) -> list:
+    def take_all(self) -> list[tuple]:
         chunks, self.chunks, self.segments = self.chunks, [], []
         return chunks
 
     def __len__(self) -> int:
         return sum(s.size for s in self.segments)
+
+
+class _UnitFeed:
+    """An epoch's shards in order, each with its batch plan (the one place both paths get them).
+
+    :meth:`next` returns ``(shard, plan)`` until the epoch ends, then None; :attr:`final` is
+    then the epoch's short tail (or the samples carried before a failing shard), and
+    :attr:`failure` the error to raise after it. :meth:`done` cuts a finished unit's leftover
+    rows into the carry.
+    """
+
+    def __init__(self, run: EpochRun, planner: BatchPlanner, carry: _Carry, path: Any,
+                 record: EpochRecord) -> None:
+        self.run, self.planner, self.carry, self.path, self.record = (run, planner, carry,
+                                                                      path, record)
+        self.final: Batch | None = None
+        self.failure: BaseException | None = None
+        self.shard_wait_s = 0.0  # time spent waiting for shards to be produced, in total
+        self._ended = False
+
+    def ready(self) -> bool:
+        """Whether :meth:`next` would return without waiting for a shard to be produced."""
+        return self._ended or self.run.ready()
+
+    def next(self) -> tuple[Shard, UnitPlan] | None:
+        if self._ended:
+            return None
+        try:
+            shard = self.run.next_shard()
+        except LoaderClosed:
+            raise
+        except Exception as exc:  # deliver what earlier shards left over first, then raise
+            self._ended, self.failure = True, exc
+            self.final = self.planner.flush(self.run.index)
+            return None
+        finally:
+            self.shard_wait_s += self.run.last_wait_s
+        if shard is None:
+            self._ended = True
+            self.final = self.planner.finish()
+            return None
+        self.record.peak_prefetch = max(self.record.peak_prefetch, self.run.ready_ahead() + 1)
+        return shard, self.planner.add(shard.index, len(shard), key=shard.key)
+
+    def done(self, shard: Shard, plan: UnitPlan) -> None:
+        for seg in plan.leftover:
+            self.carry.add(seg, self.path.cut(shard, seg))
 
 
 class _SlicePath:
@@ -82,197 +130,156 @@ class _SlicePath:
         """Carried rows as a copy: a small leftover must not keep the whole shard alive."""
         return tuple(a[segment.start:segment.stop].copy() for a in shard.arrays)
 
-    def start(self) -> None:
-        """Nothing to set up before the first shard."""
+    def batches(self, feed: _UnitFeed, carry: _Carry) -> Iterator[tuple[Batch, Any]]:
+        while (unit := feed.next()) is not None:
+            shard, plan = unit
+            arrays = shard.arrays
+            for batch in plan.batches():  # only the joined batch opens with carried samples
+                parts = carry.take_all() if batch is plan.joined else []
+                own = batch.segments[-1]
+                parts.append(tuple(a[own.start:own.stop] for a in arrays))
+                yield batch, _as_batch(_join(parts))
+            feed.done(shard, plan)
+            del shard, arrays, unit
+        if feed.final is not None:
+            yield feed.final, _as_batch(_join(carry.take_all()))
+        if feed.failure is not None:
+            raise feed.failure
 
-    def unit(self, shard: Shard, plan: UnitPlan, carry: _Carry) -> Iterator[tuple[Batch, Any]]:
-        arrays = shard.arrays
-        for batch in plan.batches():  # only the joined batch opens with carried samples
-            parts = carry.take_all() if batch is plan.joined else []
-            own = batch.segments[-1]
-            parts.append(tuple(a[own.start:own.stop] for a in arrays))
-            yield batch, _as_batch(_join(parts))
-
-    def tail(self, batch: Batch, carry: _Carry) -> Any:
-        return _as_batch(_join(carry.take_all()))
+    def cancel(self) -> None:
+        """Nothing in flight."""
 
     def close(self) -> None:
         """Nothing owned."""
 
 
-class _DataLoaderPath:
-    """Per-sample work (``sample_transform``/``batchify_fn``) in a ``gluon.data.DataLoader``."""
+class _SamplePath:
+    """Per-sample work (``sample_transform``/``batchify_fn``) on workers, ahead of the loop.
 
-    prepare = None  # shards stay numpy arrays, permuted by the stream
+    Batches are submitted to the workers (see :mod:`gluon_stream._mx.workers`) as soon as their
+    shard is in, up to the workers' depth ahead, also across shard boundaries, so rotating to
+    the next shard does not drain the pool.
+    """
 
     def __init__(self, loader: "StreamLoader") -> None:
-        self.sample_transform = loader.sample_transform
-        self.batchify = loader.batchify_fn or mx_arrays.default_batchify_fn()
-        self.num_workers = loader.num_workers
-        self.thread_pool = loader.thread_pool
-        self.pin_memory = loader.pin_memory
-        self.pin_device_id = loader.pin_device_id
+        maker_args = {"sample_transform": loader.sample_transform,
+                      "batchify_fn": loader.batchify_fn, "sample_format": loader.sample_format}
+        self.workers = mx_workers.make_workers(loader.num_workers, bool(loader.thread_pool),
+                                               maker_args, loader.stream.error_policy.retries)
         self.timeout = loader.timeout
-        self.retries = loader.stream.error_policy.retries
-        self._swap = _SwapDataset()
-        self._batch_list = _BatchList()
-        self._shared: Any = None
-        self._dataloaders: set = set()
-
-    @property
-    def shares_dataloader(self) -> bool:
-        """Threads or no workers: one DataLoader serves every shard (no fork per shard)."""
-        return self.num_workers == 0 or self.thread_pool is None or bool(self.thread_pool)
-
-    def cut(self, shard: Shard, segment: Segment) -> list:
-        return [_row(shard.arrays, i) for i in range(segment.start, segment.stop)]
-
-    def start(self) -> None:
-        """Build the long-lived DataLoader now: its gc.collect() overlaps the first generation."""
-        if self.shares_dataloader:
-            self._ensure_shared()
-
-    def unit(self, shard: Shard, plan: UnitPlan, carry: _Carry) -> Iterator[tuple[Batch, Any]]:
-        if not len(plan):
-            return
-        carried = [s for chunk in carry.take_all() for s in chunk]
-        first = plan.joined.segments[-1].start if plan.joined is not None else plan.full.start
-        dataset = _ShardDataset(carried, shard.arrays, self.sample_transform, start=first)
-        batches = list(plan.batches())
-        indices = [self._indices(b, len(carried), first, plan) for b in batches]
-        with contextlib.closing(self._run(dataset, indices, key=shard.key)) as out:
-            for planned, data in zip(batches, out):
-                yield planned, data
+        self.pin = (mx_arrays.batch_context(True, loader.pin_device_id)
+                    if loader.pin_memory else None)
+        self.prepare = self._to_shared if self.workers.uses_shared_memory else None
+        self._ids = itertools.count()
 
     @staticmethod
-    def _indices(batch: Batch, carried: int, first: int, plan: UnitPlan) -> list[int]:
-        """Dataset indices of a planned batch: carried samples first, then the unit's rows."""
-        out: list[int] = []
-        for seg in batch.segments:
-            if seg.unit == plan.unit and seg.epoch == plan.epoch:
-                out.extend(range(carried + seg.start - first, carried + seg.stop - first))
-            else:
-                out.extend(range(len(out), len(out) + seg.size))
-        return out
+    def _to_shared(arrays: tuple, order: np.ndarray | None) -> tuple:
+        """Producer-side: the shard's rows in ``order``, copied into shared memory once."""
+        return mx_shm.SharedArrays.copy_of(arrays, order)
 
-    def tail(self, batch: Batch, carry: _Carry) -> Any:
-        dataset = _ShardDataset([s for chunk in carry.take_all() for s in chunk], (),
-                                self.sample_transform)
-        with contextlib.closing(self._run(dataset, [list(range(len(dataset)))])) as out:
-            return next(out)
+    def cut(self, shard: Shard, segment: Segment) -> tuple:
+        arrays = shard.arrays
+        if isinstance(arrays, mx_shm.SharedArrays):  # in shared memory, not mapped here
+            return arrays.rows(segment.start, segment.stop)
+        return tuple(np.array(a[segment.start:segment.stop]) for a in arrays)
 
-    def _ensure_shared(self) -> None:
-        """Build the long-lived DataLoader once; its constructor runs gc.collect() (~50 ms)."""
-        if self._shared is None:
-            self._shared = mx_dataloader.make_dataloader(
-                self._swap, self._batch_list, batchify_fn=self.batchify,
-                num_workers=self.num_workers, thread_pool=True, pin_memory=self.pin_memory,
-                pin_device_id=self.pin_device_id, timeout=self.timeout)
-            self._dataloaders.add(self._shared)
+    def batches(self, feed: _UnitFeed, carry: _Carry) -> Iterator[tuple[Batch, Any]]:
+        workers = self.workers
+        window: collections.deque = collections.deque()  # (batch, task id, what, sources)
+        live: dict[int, int] = {}  # source id -> batches in flight that read it
+        unit, unit_sid = None, -1
+        planned: Iterator[Batch] = iter(())
+        numbers = itertools.count(1)
+        ended = complete = False
+        try:
+            while True:
+                while len(window) < workers.depth and not ended:
+                    batch = next(planned, None)
+                    if batch is None:
+                        if unit is not None:
+                            feed.done(*unit)
+                            self._release(live, unit_sid)
+                            unit = None
+                        if window and not feed.ready():
+                            break  # deliver what is in flight rather than wait for a shard
+                        unit = feed.next()
+                        if unit is None:
+                            ended = True
+                            break
+                        unit_sid = next(self._ids)
+                        workers.attach(unit_sid, unit[0].arrays)
+                        live[unit_sid] = 1  # held until the unit is done
+                        planned, numbers = unit[1].batches(), itertools.count(1)
+                        continue
+                    shard, plan = unit
+                    refs, sids = self._refs(batch, plan, unit_sid, carry)
+                    what = f"batch {next(numbers)} of {len(plan)} of shard {shard.key!r}"
+                    window.append(self._submit(batch, refs, sids, what, shard.key, live))
+                if not window:
+                    break
+                yield self._take(window.popleft(), live)
+            if feed.final is not None:
+                refs, sids = self._carry_refs(carry)
+                item = self._submit(feed.final, refs, sids, "the epoch's last batch", None, live)
+                yield self._take(item, live)
+            complete = True
+            if feed.failure is not None:
+                raise feed.failure
+        finally:
+            if not complete:  # cut short: forget the batches in flight
+                workers.cancel_all()
 
-    def _run(self, dataset: "_ShardDataset", batches: list, key: Any = None) -> Iterator[Any]:
-        if self.shares_dataloader:
-            self._ensure_shared()
-            self._swap.current = dataset
-            self._batch_list.batches = batches
-            try:
-                yield from mx_dataloader.thread_batches(self._shared, self.timeout, key,
-                                                        len(batches))
-            finally:
-                if self._swap.current is dataset:  # a late close must not clear a newer shard
-                    self._swap.current = None
-            return
-        # A process pool (thread_pool=False) is forked per shard and driven by pool_batches,
-        # which notices a dead worker (MXNet would wait for its lost batch forever) and a slow
-        # batch. With on_error=('retry', n) the undelivered batches are redone in a fresh pool,
-        # so every sample is still delivered exactly once.
-        done = 0
-        for attempt in range(self.retries + 1):
-            sampler = _BatchList()
-            sampler.batches = batches[done:]
-            dataloader = mx_dataloader.make_dataloader(
-                dataset, sampler, batchify_fn=self.batchify, num_workers=self.num_workers,
-                thread_pool=False, pin_memory=self.pin_memory, pin_device_id=self.pin_device_id,
-                timeout=self.timeout)
-            self._dataloaders.add(dataloader)
-            try:
-                for batch in mx_dataloader.pool_batches(dataloader, sampler.batches, self.timeout,
-                                                        key, first=done, total=len(batches)):
-                    done += 1
-                    yield batch
-                    del batch  # a kept exception's frames must not pin shared-memory batches
-                return
-            except WorkerDied as exc:
-                if attempt == self.retries:
-                    raise
-                logger.warning("%s; redoing the %d undelivered batch(es) in a new worker pool "
-                               "(retry %d/%d)", str(exc), len(batches) - done, attempt + 1,
-                               self.retries)
-            finally:
-                self._release(dataloader)
+    def _refs(self, batch: Batch, plan: UnitPlan, unit_sid: int, carry: _Carry
+              ) -> tuple[list, list[int]]:
+        own = batch.segments[-1]
+        refs, sids = [], [unit_sid]
+        if batch is plan.joined:
+            refs, sids = self._carry_refs(carry)
+            sids.append(unit_sid)
+        refs.append((unit_sid, range(own.start, own.stop)))
+        return refs, sids
 
-    def _release(self, dataloader: Any) -> None:
-        self._dataloaders.discard(dataloader)
-        mx_dataloader.release_dataloader(dataloader)
+    def _carry_refs(self, carry: _Carry) -> tuple[list, list[int]]:
+        chunks = carry.take_all()
+        if not chunks:
+            return [], []
+        sid = next(self._ids)
+        arrays = tuple(np.concatenate(parts) for parts in zip(*chunks))
+        self.workers.attach(sid, arrays)
+        return [(sid, range(len(arrays[0])))], [sid]
+
+    def _submit(self, batch: Batch, refs: list, sids: list[int], what: str, key: Any,
+                live: dict[int, int]) -> tuple:
+        tid = next(self._ids)
+        for sid in sids:
+            live[sid] = live.get(sid, 0) + 1
+        self.workers.submit(tid, refs, what, key)
+        return batch, tid, what, sids
+
+    def _take(self, item: tuple, live: dict[int, int]) -> tuple[Batch, Any]:
+        batch, tid, what, sids = item
+        data = self.workers.result(tid, self.timeout, what)
+        for sid in sids:
+            self._release(live, sid)
+        if self.pin is not None:
+            data = mx_arrays.as_in_context(data, self.pin)
+        return batch, data
+
+    def _release(self, live: dict[int, int], sid: int) -> None:
+        live[sid] -= 1
+        if not live[sid]:
+            del live[sid]
+            self.workers.detach(sid)
+
+    def cancel(self) -> None:
+        self.workers.cancel_all()
 
     def close(self) -> None:
-        """End every DataLoader worker pool."""
-        for dataloader in list(self._dataloaders):
-            self._release(dataloader)
-
-
-class _ShardDataset:
-    """Samples carried over from earlier shards, then a shard's rows from ``start`` on."""
-
-    def __init__(self, carry: list, arrays: Sequence[Any],
-                 sample_transform: Callable[..., Any] | None, start: int = 0) -> None:
-        self.carry = carry
-        self.arrays = tuple(arrays)
-        self.sample_transform = sample_transform
-        self.start = start
-
-    def __len__(self) -> int:
-        rows = len(self.arrays[0]) - self.start if self.arrays else 0
-        return len(self.carry) + rows
-
-    def __getitem__(self, idx: int) -> Any:
-        if idx < len(self.carry):
-            item = self.carry[idx]
-        else:
-            item = tuple(a[self.start + idx - len(self.carry)] for a in self.arrays)
-        if self.sample_transform is not None:
-            return self.sample_transform(*item)
-        return item[0] if len(item) == 1 else item
-
-
-class _SwapDataset:
-    """The dataset a long-lived thread/in-process DataLoader reads; swapped per shard."""
-
-    def __init__(self) -> None:
-        self.current: _ShardDataset | None = None
-
-    def __len__(self) -> int:
-        return len(self.current) if self.current is not None else 0
-
-    def __getitem__(self, idx: int) -> Any:
-        return self.current[idx]
-
-
-class _BatchList:
-    """A batch sampler whose batches are set per shard."""
-
-    def __init__(self) -> None:
-        self.batches: list = []
-
-    def __iter__(self) -> Iterator[list]:
-        return iter(self.batches)
-
-    def __len__(self) -> int:
-        return len(self.batches)
+        self.workers.close()
 
 
 class _LoaderResources:
-    """What a StreamLoader owns: its stream (if it built it) and its batch path's pools."""
+    """What a StreamLoader owns: its stream (if it built it) and its batch path's workers."""
 
     def __init__(self, stream: ShardStream, owns_stream: bool, path: Any) -> None:
         self.stream = stream
@@ -287,24 +294,6 @@ class _LoaderResources:
             self.stream.close()
 
 
-class _Rotation:
-    """Times the switch from one shard to the next, minus the wait for it to be produced."""
-
-    def __init__(self) -> None:
-        self.start: float | None = None
-        self.wait = 0.0
-
-    def boundary(self, t0: float, waited: float) -> None:
-        if self.start is None:
-            self.start = t0
-        self.wait += waited
-
-    def batch(self, now: float, record: EpochRecord) -> None:
-        if self.start is not None:  # first batch after a shard boundary
-            record.rotation_s.append(max(0.0, now - self.start - self.wait))
-            self.start, self.wait = None, 0.0
-
-
 class StreamLoader(Closing):
     """Iterate full, shuffled batches over shards produced on demand.
 
@@ -315,16 +304,19 @@ class StreamLoader(Closing):
         batch_size: Samples per batch.
         transform: ``transform(raw) -> arrays`` per shard, in a background producer thread.
         sample_transform: ``fn(*sample) -> sample`` per sample (like ``Dataset.transform``);
-            selects the DataLoader path.
+            selects the per-sample path.
+        sample_format: What per-sample code receives: ``'auto'`` (default: numpy rows, or
+            NDArrays once MXNet/GluonCV code rejects numpy), ``'numpy'`` or ``'ndarray'`` (see
+            :mod:`gluon_stream._mx.samples`).
         shuffle: Shuffle shard order and samples within shards, from ``(seed, epoch)``
             (default False).
         seed: Shuffle seed (None: drawn once, logged).
         last_batch: ``'keep'`` (default, as Gluon), ``'discard'`` or ``'rollover'``; applies at
             the end of the epoch only, leftovers always cross shard boundaries.
         num_workers, thread_pool, batchify_fn, pin_memory, pin_device_id, timeout: As in
-            ``gluon.data.DataLoader``; ``thread_pool=None`` means threads (no fork per shard)
-            unless set to False. Without ``batchify_fn``/``sample_transform`` batches are
-            slices and no workers are needed.
+            ``gluon.data.DataLoader``: ``num_workers > 0`` forks that many worker processes
+            (once, here), ``thread_pool=True`` uses threads instead. Without
+            ``batchify_fn``/``sample_transform`` batches are slices and no workers are needed.
         prefetch: Shards produced ahead of the one being consumed (default 2).
         producers: Shards produced in parallel (threads, default 1), or a
             ``concurrent.futures.Executor`` (e.g. a dask client's) that generates them into a
@@ -356,9 +348,9 @@ class StreamLoader(Closing):
     def __init__(self, source: Source | ShardStream, batch_size: int, *,
                  transform: Callable[[Any], Any] | None = _validate.UNSET,
                  sample_transform: Callable[..., Any] | None = None,
-                 shuffle: bool = _validate.UNSET, seed: int | None = _validate.UNSET,
+                 sample_format: str = "auto", shuffle: bool = _validate.UNSET, seed: int | None = _validate.UNSET,
                  last_batch: str = "keep", num_workers: int = 0,
-                 thread_pool: bool | None = None,
+                 thread_pool: bool = False,
                  batchify_fn: Callable[[list], Any] | None = None, pin_memory: bool = False,
                  pin_device_id: int = 0, timeout: float = 120,
                  prefetch: int = _validate.UNSET, producers: int | Executor = _validate.UNSET,
@@ -379,6 +371,7 @@ class StreamLoader(Closing):
                              "has nothing to roll over; use last_batch='keep' or 'discard'")
         _validate.callable_or_none("sample_transform", sample_transform)
         _validate.callable_or_none("batchify_fn", batchify_fn)
+        self.sample_format = _validate.choice("sample_format", sample_format, SAMPLE_FORMATS)
         given = {name: value for name, value in (
             ("transform", transform), ("shuffle", shuffle), ("seed", seed),
             ("prefetch", prefetch), ("producers", producers), ("on_error", on_error),
@@ -412,7 +405,7 @@ class StreamLoader(Closing):
                 logger.info("num_workers=%d unused: without batchify_fn/sample_transform, batches "
                             "are slices of a shard prepared in the background", num_workers)
         else:
-            path = _DataLoaderPath(self)
+            path = _SamplePath(self)
         self._path = path
         self._res = _LoaderResources(stream, owns, path)
         self._finalizer = weakref.finalize(self, self._res.close)
@@ -536,19 +529,23 @@ class StreamLoader(Closing):
         bar = ProgressBar(run.epoch, self._num_batches(run.epoch)) if self.progress else None
         limit = self._even_limit(run.epoch)
         planner = BatchPlanner(self.batch_size, self.last_batch, start)
-        rotation = _Rotation()
+        feed = _UnitFeed(run, planner, carry, self._path, record)
         self._position, self._delivered = start, delivered
+        last_unit, shard_wait = None, 0.0
         run.start()  # producers start on the first shards before anything below can wait
-        self._path.start()
         try:
-            for planned, batch in self._planned(run, planner, carry, record, rotation):
+            for planned, batch in self._path.batches(feed, carry):
                 if limit is not None and delivered >= limit:
                     break  # even_batches: every part stops after the same number of batches
                 now = clock()
                 if record.first_batch_s is None:
                     record.first_batch_s = now - t_start
                 record.stall_s += now - waiting_since
-                rotation.batch(now, record)
+                unit = planned.segments[-1].unit
+                if last_unit is not None and unit != last_unit:  # the first batch of a shard
+                    waited = feed.shard_wait_s - shard_wait  # for production: not rotation
+                    record.rotation_s.append(max(0.0, now - waiting_since - waited))
+                last_unit, shard_wait = unit, feed.shard_wait_s
                 stats.add_span("train", "wait", waiting_since, now)
                 record.batches += 1
                 record.samples += planned.size
@@ -571,38 +568,6 @@ class StreamLoader(Closing):
             if bar is not None:
                 bar.close(record)
 
-    def _planned(self, run: EpochRun, planner: BatchPlanner, carry: _Carry,
-                 record: EpochRecord, rotation: _Rotation) -> Iterator[tuple[Batch, Any]]:
-        """(planned batch, its data) for the whole epoch, unit by unit."""
-        path = self._path
-        clock = self.stats.clock
-        first = True
-        while True:
-            t0 = clock()
-            try:
-                shard = run.next_shard()
-            except LoaderClosed:
-                raise
-            except Exception:  # deliver what earlier shards left over first, then raise
-                tail = planner.flush(run.index)
-                if tail is not None:
-                    yield tail, path.tail(tail, carry)
-                raise
-            if shard is None:
-                break
-            record.peak_prefetch = max(record.peak_prefetch, run.ready_ahead() + 1)
-            if not first:
-                rotation.boundary(t0, run.last_wait_s)
-            first = False
-            plan = planner.add(shard.index, len(shard), key=shard.key)
-            yield from path.unit(shard, plan, carry)
-            for seg in plan.leftover:
-                carry.add(seg, path.cut(shard, seg))
-            del shard
-        tail = planner.finish()
-        if tail is not None:
-            yield tail, path.tail(tail, carry)
-
     def _even_limit(self, epoch: int) -> int | None:
         """With even_batches, the batch count every part can deliver this epoch."""
         if not self.even_batches:
@@ -621,11 +586,6 @@ def _join(parts: list) -> tuple:
     if len(parts) == 1:
         return parts[0]
     return tuple(mx_arrays.concat(list(arrays)) for arrays in zip(*parts))
-
-
-def _row(arrays: Sequence[Any], i: int) -> tuple:
-    """One sample as a tuple of copied rows (a carried sample must not pin its shard)."""
-    return tuple(np.array(a[i]) for a in arrays)
 
 
 def _segment_state(segment: Segment) -> dict:

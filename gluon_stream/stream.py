@@ -424,6 +424,13 @@ class EpochRun:
         """Submit the first window of shards now (otherwise the first ``next_shard`` does)."""
         self._fill(self.stream.prefetch + 1)
 
+    def ready(self) -> bool:
+        """Whether :meth:`next_shard` would return without waiting for a producer."""
+        if self.cancelled or self.stream.closed:
+            return True
+        self._fill(self.stream.prefetch + 1)
+        return not self.pending or self.pending[0][2].done()
+
     def ready_ahead(self) -> int:
         """Shards ahead of the consumer that are already produced."""
         return sum(1 for _, _, fut in self.pending if fut.done())

@@ -17,10 +17,8 @@ pytestmark = pytest.mark.mxnet  # these tests use MXNet: warm its engine first
 _TERMINATE_HANG = r"""
 import os, signal, mxnet as mx
 from gluon_stream._mx import dataloader as mx_dataloader
-dl = mx_dataloader.make_dataloader(mx.gluon.data.ArrayDataset(list(range(8))), [[0, 1]],
-                             batchify_fn=mx.gluon.data.dataloader.default_batchify_fn,
-                             num_workers=2, thread_pool=False, pin_memory=False, pin_device_id=0,
-                             timeout=10)
+dl = mx.gluon.data.DataLoader(mx.gluon.data.ArrayDataset(list(range(8))), batch_size=2,
+                              num_workers=2)
 pool = mx_dataloader.worker_pool(dl)
 for proc in list(pool._pool):  # both idle: one of them holds the task queue's read lock
     os.kill(proc.pid, signal.SIGKILL)
@@ -52,7 +50,7 @@ def test_ending_a_pool_whose_worker_died_holding_a_queue_lock_does_not_hang():
 
 
 def test_shared_memory_files_of_a_dead_worker_are_removed(tmp_path):
-    from gluon_stream._mx import dataloader as mx_dataloader
+    from gluon_stream._mx.shm import remove_worker_shm
 
     dead_pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                                   capture_output=True, text=True, check=True).stdout)
@@ -61,7 +59,7 @@ def test_shared_memory_files_of_a_dead_worker_are_removed(tmp_path):
     for path in (leftover, other):
         open(path, "wb").close()
     try:
-        assert mx_dataloader.remove_worker_shm(dead_pid) == [leftover]
+        assert remove_worker_shm(dead_pid) == [leftover]
         assert not os.path.exists(leftover) and os.path.exists(other)
     finally:
         for path in (leftover, other):

@@ -160,22 +160,24 @@ def test_close_from_another_thread_while_a_worker_is_busy_gives_loader_closed():
     assert pool_workers() == []
 
 
-def test_a_process_pool_outside_the_main_thread_is_a_clear_error():
-    src = gs.FunctionSource([0], id_shards([8]))
-    errors = []
+def test_a_process_pool_built_and_used_outside_the_main_thread_works():
+    """MXNet's DataLoader can only fork from the main thread (it installs a signal handler);
+    the loader's own worker pool has no such limit."""
+    src = gs.FunctionSource(range(3), id_shards([8, 5, 7]))
+    ids, errors = [], []
 
     def consume():
         try:
             with gs.StreamLoader(src, batch_size=4, **PROCESS_POOL) as loader:
-                delivered(loader)
-        except RuntimeError as exc:
+                ids.extend(delivered(loader))
+        except Exception as exc:  # relayed to the test thread below
             errors.append(exc)
 
     worker = threading.Thread(target=consume, name="gluon_stream-test-consumer")
     worker.start()
     worker.join(JOIN_S)
-    assert len(errors) == 1 and "main thread" in str(errors[0])
-    assert "thread_pool=True" in str(errors[0])
+    assert not errors, errors
+    assert sorted(ids) == all_ids([8, 5, 7]) and len(ids) == len(set(ids))
 
 
 # -- shard failures, policies and where they surface --------------------------------------------
@@ -471,8 +473,10 @@ def test_jupyter_style_interrupts_20_times_leak_nothing(path, record_property):
             if i == 0:  # the loader's own producer thread exists from the first pass on
                 before = snapshot()
         batch = None  # noqa: F841  (the last batch holds shared-memory fds)
+        found = leaks(before)  # after 20 interrupted passes: nothing more than after the first
+        # a whole epoch then (its end prefetches the next epoch's first shards, which hold
+        # their shared memory: data in flight, counted above only if interrupts leaked it)
         ids = delivered(loader) if path == "process-pool" else None
-        found = leaks(before)
     gc.collect()
     figures.append(("closed", _flat_snapshot()))
     record_property("leak_figures", figures)
@@ -482,7 +486,10 @@ def test_jupyter_style_interrupts_20_times_leak_nothing(path, record_property):
         assert sorted(ids) == all_ids(sizes)
     (_, first), (_, at5), (_, at20), (_, closed) = figures[0], figures[2], figures[3], figures[4]
     assert closed["fds"] == first["fds"] and closed["children"] == 0 and closed["threads"] == 0
-    assert at20["fds"] <= at5["fds"] and at20["children"] == 0 and at20["threads"] <= 1
+    # the worker processes are the loader's for its whole life (forked once): flat, not zero
+    workers = PROCESS_POOL["num_workers"] if path == "process-pool" else 0
+    assert at20["fds"] <= at5["fds"] and at20["threads"] <= 1, figures
+    assert at20["children"] == at5["children"] == workers, figures
     assert at20["rss_mb"] - at5["rss_mb"] < 25, figures
 
 

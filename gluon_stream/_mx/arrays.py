@@ -7,7 +7,8 @@ import numpy as np
 
 from . import require_mxnet
 
-__all__ = ["GATHER_CHUNK_BYTES", "batch_context", "concat", "default_batchify_fn", "to_ndarray"]
+__all__ = ["GATHER_CHUNK_BYTES", "as_in_context", "batch_context", "concat", "default_batchify_fn",
+           "to_ndarray"]
 
 GATHER_CHUNK_BYTES = 4 << 20
 
@@ -55,3 +56,15 @@ def concat(parts: Sequence[Any]) -> Any:
 def default_batchify_fn() -> Any:
     """Gluon's own batchify function (stacks samples into NDArrays)."""
     return require_mxnet().gluon.data.dataloader.default_batchify_fn
+
+
+def as_in_context(data: Any, ctx: Any) -> Any:
+    """``data`` with every NDArray in it (nested lists, tuples, dicts) copied to ``ctx``."""
+    nd = require_mxnet().nd
+    if isinstance(data, nd.NDArray):
+        return data.as_in_context(ctx)
+    if isinstance(data, (list, tuple)):
+        return type(data)(as_in_context(d, ctx) for d in data)
+    if isinstance(data, dict):
+        return {k: as_in_context(v, ctx) for k, v in data.items()}
+    return data

@@ -1,0 +1,115 @@
+"""Samples for per-sample code (``sample_transform``, ``batchify_fn``): rows of a shard's arrays.
+
+``sample_format`` decides what the code receives:
+
+* ``'numpy'``: what ``gluon.data.ArrayDataset`` over numpy arrays gives: ``a[i]`` per array
+  (a numpy scalar for 1-D arrays); no per-sample NDArray is made (about 0.2 ms each here).
+* ``'ndarray'``: what Gluon's vision datasets and ``ArrayDataset(nd.array(x), y)`` give, the
+  input Gluon's and GluonCV's transforms are written for: an NDArray per field with a
+  per-sample shape, a numpy scalar for scalar fields (labels).
+* ``'auto'`` (default): numpy rows, unless MXNet or GluonCV code rejects them (raises a
+  TypeError, ValueError or AttributeError from inside ``mxnet``/``gluoncv``, as
+  ``ToTensor()`` or GluonCV's ``RandomCrop`` do for a numpy image); that batch is then made
+  again with NDArray rows, and every later one too (logged once at INFO).
+
+A single-array shard gives samples that are the row itself, several arrays a tuple, and the
+transform is applied as ``Dataset.transform`` does: ``fn(*sample)`` for a tuple.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from ..errors import add_note
+from . import require_mxnet
+
+__all__ = ["SAMPLE_FORMATS", "BatchMaker", "Refs"]
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_FORMATS = ("auto", "numpy", "ndarray")
+_REJECTING_PACKAGES = ("mxnet", "gluoncv")
+
+#: A batch's samples: ``[(source id, rows), ...]``, rows a ``range`` or an index array.
+Refs = Sequence[tuple[int, Any]]
+
+
+class BatchMaker:
+    """Builds one batch from sample references: rows, ``sample_transform``, ``batchify_fn``.
+
+    Args:
+        sample_transform: ``fn(*sample) -> sample``, or None.
+        batchify_fn: Joins the samples of a batch; None: Gluon's default (its shared-memory
+            variant when ``shared_memory``, for batches that go back from a worker process).
+        sample_format: ``'auto'``, ``'numpy'`` or ``'ndarray'`` (see the module doc).
+        shared_memory: Batches are made in a worker process.
+    """
+
+    def __init__(self, sample_transform: Callable[..., Any] | None,
+                 batchify_fn: Callable[[list], Any] | None, sample_format: str,
+                 shared_memory: bool = False) -> None:
+        if sample_format not in SAMPLE_FORMATS:
+            raise ValueError(f"sample_format must be one of {SAMPLE_FORMATS}, got "
+                             f"{sample_format!r}")
+        self.sample_transform = sample_transform
+        dataloader = require_mxnet().gluon.data.dataloader
+        default = (dataloader.default_mp_batchify_fn if shared_memory
+                   else dataloader.default_batchify_fn)
+        self.batchify_fn = batchify_fn or default
+        self.sample_format = sample_format
+        self._format = "numpy" if sample_format == "auto" else sample_format
+
+    @property
+    def format(self) -> str:
+        """The row format in use now (``'auto'`` starts as numpy)."""
+        return self._format
+
+    def __call__(self, sources: Mapping[int, Sequence[np.ndarray]], refs: Refs) -> Any:
+        if self.sample_format != "auto" or self._format == "ndarray":
+            return self._make(sources, refs, self._format)
+        try:
+            return self._make(sources, refs, "numpy")
+        except (AttributeError, TypeError, ValueError) as exc:
+            if not _raised_inside(exc, _REJECTING_PACKAGES):
+                raise
+            try:
+                batch = self._make(sources, refs, "ndarray")
+            except Exception as again:
+                add_note(exc, f"gluon_stream: sample_format='auto' gave numpy rows, which MXNet "
+                              f"code rejected; NDArray rows failed too ({type(again).__name__}: "
+                              f"{again})")
+                raise exc from None
+            self._format = "ndarray"
+            logger.info("sample_format='auto': MXNet code rejected numpy rows (%s: %s); "
+                        "per-sample code gets NDArrays from now on (pass sample_format="
+                        "'ndarray' to start so)", type(exc).__name__, exc)
+            return batch
+
+    def _make(self, sources: Mapping[int, Sequence[np.ndarray]], refs: Refs, fmt: str) -> Any:
+        nd = require_mxnet().nd if fmt == "ndarray" else None
+        samples = [_sample(sources[sid], i, nd) for sid, rows in refs for i in rows]
+        fn = self.sample_transform
+        if fn is not None:
+            samples = [fn(*s) if isinstance(s, tuple) else fn(s) for s in samples]
+        return self.batchify_fn(samples)
+
+
+def _sample(arrays: Sequence[np.ndarray], i: int, nd: Any) -> Any:
+    """Row ``i`` of each array: numpy (``nd`` None) or NDArray for fields with a shape."""
+    fields = [a[i] for a in arrays]
+    if nd is not None:
+        fields = [nd.array(f, dtype=f.dtype) if getattr(f, "ndim", 0) else f for f in fields]
+    return fields[0] if len(fields) == 1 else tuple(fields)
+
+
+def _raised_inside(exc: BaseException, packages: tuple[str, ...]) -> bool:
+    """Whether the innermost frame of ``exc``'s traceback is code of one of ``packages``."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    module = tb.tb_frame.f_globals.get("__name__", "")
+    return module.split(".")[0] in packages
