@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-from .errors import CorruptShard, SchemaMismatch, UnsafeShard
+from .errors import CommandNotFound, CorruptShard, SchemaMismatch, UnsafeShard
 
 __all__ = ["ON_ERROR_MODES", "ErrorPolicy", "RetryPolicy", "is_permanent"]
 
@@ -20,10 +20,13 @@ ON_ERROR_MODES = ("raise", "skip")
 def is_permanent(exc: BaseException) -> bool:
     """Failures that producing the shard again cannot fix, so they are never retried.
 
-    A schema that differs, unsafe output (pickles, symlinks), a full disk, and invalid
-    arguments such as a bad key (a ValueError other than a corrupt file).
+    A schema that differs (a dtype MXNet cannot batch too), unsafe output (pickles, symlinks),
+    a full disk, a generator program that cannot be started (missing, not executable), and
+    invalid arguments such as a bad key or a stale cached shard (a ValueError other than a
+    corrupt file).
     """
-    if isinstance(exc, (SchemaMismatch, UnsafeShard)) or getattr(exc, "disk_full", False):
+    if isinstance(exc, (SchemaMismatch, UnsafeShard, CommandNotFound)) \
+            or getattr(exc, "disk_full", False):
         return True
     return isinstance(exc, ValueError) and not isinstance(exc, CorruptShard)
 

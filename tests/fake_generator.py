@@ -25,6 +25,13 @@ slow          writes the first half, touches ``--started``, waits for ``--gate``
 enospc        writes part of the shard, then hits a real ENOSPC (writes to /dev/full), exits 1
 stderr-flood  writes 50 MB to stderr, then exits 4
 symlink       makes PATH a symlink to ``PATH.outside.npy`` (a valid shard it writes there)
+directory     makes a directory at PATH (with a file in it), exits 0
+fifo          makes a FIFO at PATH, exits 0 (opening it for reading would block)
+np-savez      ``np.savez(PATH, ...)``: numpy appends ``.npz`` to a PATH ending in ``.npy``
+np-save       ``np.save(PATH, ...)``: numpy appends ``.npy`` to a PATH ending in ``.npz``
+short-write   fails as numpy does on a full disk: "OSError: N requested and M written", exit 1
+delete-cache-once  the first run deletes the cache directory (PATH's folder) and exits 0
+                   (marker ``cache-deleted`` beside it); later runs are ``ok``
 
 Every run appends one line to ``--count`` (how many times the generator ran) and, with
 ``--pids``, the pids of itself (and of its grandchild) to that file. ``--started`` is touched
@@ -175,6 +182,35 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write(chunk)
         sys.stderr.write("fake_generator: flood done\n")
         return 4
+    elif mode == "directory":
+        os.mkdir(args.out)
+        with open(os.path.join(args.out, "inside.npy"), "wb") as fp:
+            fp.write(good)
+        return 0
+    elif mode == "fifo":
+        os.mkfifo(args.out)
+        return 0
+    elif mode == "np-savez":
+        np.savez(args.out, x=shard_values(args.key, args.rows, args.cols))
+        return 0
+    elif mode == "np-save":
+        np.save(args.out, shard_values(args.key, args.rows, args.cols))
+        return 0
+    elif mode == "short-write":
+        sys.stderr.write("Traceback (most recent call last):\n  File \"gen.py\", line 9, in "
+                         "<module>\n    np.save(out, arr)\nOSError: 8192 requested and 0 "
+                         "written\n")
+        return 1
+    elif mode == "delete-cache-once":
+        cache = os.path.dirname(os.path.abspath(args.out))
+        marker = os.path.join(os.path.dirname(cache), "cache-deleted")
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            import shutil
+
+            shutil.rmtree(cache)
+            return 0
+        payload = good
     elif mode == "symlink":
         outside = args.out + ".outside.npy"
         with open(outside, "wb") as fp:

@@ -6,8 +6,13 @@ events and files rather than sleeps.
 """
 from __future__ import annotations
 
+import errno
 import itertools
+import json
+import logging
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,8 +23,8 @@ import pytest
 
 import gluon_stream as gs
 from _helpers import JOIN_S, batch_ids, dead, wait_for
-from fake_generator import (command_source as source, generator_runs as runs, hidden_files,
-                            read_lines, shard_values)
+from fake_generator import (command, command_source as source, generator_runs as runs,
+                            hidden_files, read_lines, shard_values)
 from gluon_stream.cache import ShardCache, parse_cache_limit
 from gluon_stream.cache import local as cache_local
 
@@ -288,3 +293,227 @@ def test_cache_dir_on_an_fsspec_filesystem(tmp_path):
             assert [batch_ids(b) for b in loader] == [[20000, 20001, 20002, 20003]]
     finally:
         fs.rm("/gs-cache", recursive=True)
+
+
+# -- what made a cached shard: recipes ------------------------------------------------------------
+
+@pytest.fixture
+def xattrs(tmp_path):
+    """Skip where tmp_path's file system has no user extended attributes (recipes live there)."""
+    probe = tmp_path / "probe"
+    probe.touch()
+    try:
+        os.setxattr(probe, "user.gluon_stream.probe", b"1")
+    except (AttributeError, OSError) as exc:
+        pytest.skip(f"no user extended attributes here: {exc}")
+    finally:
+        probe.unlink()
+
+
+def stale_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelname == "WARNING" and "different recipe" in r.getMessage()]
+
+
+def test_a_changed_command_regenerates_the_shard_with_a_warning(tmp_path, xattrs, caplog):
+    with source(tmp_path, "ok", rows=10) as src:
+        assert not src.produce("k1", 0).cache_hit
+    with source(tmp_path, "ok", rows=4) as src:  # the same key, another fixed argument
+        assert src.num_samples("k1", 0) is None  # the cached shard is stale: size unknown
+        raw = src.produce("k1", 0)
+    assert not raw.cache_hit and raw.arrays[0].shape == (4, 3)
+    np.testing.assert_array_equal(raw.arrays[0], shard_values("k1", 4, 3))
+    (warning,) = stale_warnings(caplog)
+    assert "k1.npy" in warning and "argument 9: '10' -> '4'" in warning
+    with source(tmp_path, "ok", rows=4) as src:
+        assert src.num_samples("k1", 0) == 4 and src.produce("k1", 0).cache_hit
+    assert len(runs(tmp_path)) == 2
+    assert os.listdir(tmp_path / "cache") == ["k1.npy"]
+
+
+def test_on_change_raise_refuses_a_stale_shard_and_keeps_it(tmp_path, xattrs):
+    with source(tmp_path, "ok", rows=10) as src:
+        src.produce("k1", 0)
+    with source(tmp_path, "ok", rows=4, on_change="raise") as src:
+        with pytest.raises(gs.StaleShard, match=r"k1.npy' was made by a different recipe "
+                                                r"\(command argument 9: '10' -> '4'\)") as info:
+            src.produce("k1", 0)
+    assert info.value.key == "k1" and "'10' -> '4'" in info.value.change
+    assert len(runs(tmp_path)) == 1 and gs.load_shard(tmp_path / "cache" / "k1.npy")[0].shape == (10, 3)
+    with pytest.raises(ValueError, match=r"on_change must be 'regenerate' or 'raise'"):
+        source(tmp_path, "ok", on_change="ignore")
+
+
+def test_version_and_env_are_part_of_the_recipe(tmp_path, xattrs, caplog):
+    for kw in ({}, {"version": "2"}, {"version": "2", "env": dict(os.environ, A="1")},
+               {"version": "2", "env": dict(os.environ, A="2")}):
+        with source(tmp_path, "ok", **kw) as src:
+            assert not src.produce("k1", 0).cache_hit, kw
+    with source(tmp_path, "ok", version="2", env=dict(os.environ, A="2")) as src:
+        assert src.produce("k1", 0).cache_hit
+    changes = " | ".join(stale_warnings(caplog))
+    assert "version None -> '2'" in changes and "env= given" in changes
+    assert "env= changed" in " ".join(r.getMessage() for r in caplog.records)
+    assert "A=2" not in changes  # env values never reach the recipe (they may be secrets)
+
+
+def test_function_source_version_and_key_type(tmp_path, xattrs, caplog):
+    cache = tmp_path / "cache"
+    with gs.FunctionSource([1], lambda k: np.full(2, 1), cache_dir=cache, version="a") as src:
+        src.produce(1, 0)
+    with gs.FunctionSource([1], lambda k: np.full(2, 2), cache_dir=cache, version="a") as src:
+        assert src.produce(1, 0).arrays[0].tolist() == [1, 1]  # same version: reused
+    with gs.FunctionSource([1], lambda k: np.full(2, 3), cache_dir=cache, version="b") as src:
+        assert src.produce(1, 0).arrays[0].tolist() == [3, 3]
+    with gs.FunctionSource(["1"], lambda k: np.full(2, 4), cache_dir=cache, version="b") as src:
+        assert src.produce("1", 0).arrays[0].tolist() == [4, 4]  # fn('1') is not fn(1)
+    changes = " | ".join(stale_warnings(caplog))
+    assert "version 'a' -> 'b'" in changes and "key_type 'int' -> 'str'" in changes
+    with pytest.raises(ValueError, match=r"keys 1 and '1' are different keys with one cache file"):
+        gs.FunctionSource([1, "1"], lambda k: np.zeros(2), cache_dir=cache).keys_for_epoch(0)
+    src = gs.FunctionSource([1, np.int64(1), 1], lambda k: np.zeros(2), cache_dir=cache)
+    assert len(src.keys_for_epoch(0)[0]) == 3  # one key, spelled twice: fine
+    with pytest.raises(ValueError, match=r"version= .* needs a cache_dir"):
+        gs.FunctionSource([1], lambda k: np.zeros(2), version="a")
+
+
+def test_a_shard_without_a_recipe_is_served_with_one_warning(tmp_path, caplog):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for key in ("k1", "k2"):  # as an older gluon_stream (or a plain cp) left them
+        np.save(cache / f"{key}.npy", shard_values(key, 10, 3))
+    with source(tmp_path, "ok", keys=("k1", "k2")) as src:
+        assert src.produce("k1", 0).cache_hit and src.produce("k2", 0).cache_hit
+    notes = [r for r in caplog.records if "carries no record" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].levelname == "WARNING"
+    assert runs(tmp_path) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_shard_made_by_another_process_with_another_command_is_regenerated(tmp_path, xattrs):
+    (tmp_path / "gate").touch()
+    child = _spawn_child(tmp_path, "a")  # rows=50
+    out, err = child.communicate(timeout=JOIN_S)
+    assert child.returncode == 0 and out.strip() == "generated", err
+    with source(tmp_path, "ok", rows=10) as src:
+        raw = src.produce("k1", 0)
+    assert not raw.cache_hit and raw.arrays[0].shape == (10, 3)
+    child = _spawn_child(tmp_path, "b")  # the child's command again: stale once more
+    out, err = child.communicate(timeout=JOIN_S)
+    assert child.returncode == 0 and out.strip() == "generated", err
+    assert np.load(tmp_path / "b.npy").shape == (50, 3)
+    assert len(runs(tmp_path)) == 3 and hidden_files(tmp_path / "cache") == []
+
+
+def test_switching_suffix_leaves_no_older_shard_to_find_first(tmp_path, xattrs):
+    with source(tmp_path, "ok", rows=10) as src:
+        src.produce("k1", 0)  # k1.npy
+    cache = tmp_path / "cache"
+    for hit in (False, True):
+        with gs.FunctionSource(["k1"], lambda k: (np.zeros(4), np.ones(4)), cache_dir=cache,
+                               version="2") as src:
+            raw = src.produce("k1", 0)
+        assert raw.cache_hit is hit and len(raw.arrays) == 2
+        assert os.listdir(cache) == ["k1.npz"]  # the stale k1.npy would be looked up first
+
+
+def test_the_demo_generator_with_other_arguments_does_not_reuse_shards(tmp_path, xattrs):
+    """The demo scenario, without the training: --rows 4000, then --rows 500 --inputs 3."""
+    from gluon_stream.tools.generator import generate, generator_command
+
+    cache = tmp_path / "cache"
+    for rows, inputs in ((4000, 8), (500, 3)):
+        with gs.CommandSource(["2024-01-01"], generator_command(rows, inputs),
+                              cache_dir=cache) as src:
+            raw = src.produce("2024-01-01", 0)
+        assert not raw.cache_hit
+        np.testing.assert_array_equal(raw.arrays[0], generate("2024-01-01", rows, inputs))
+
+
+@pytest.mark.mxnet
+@pytest.mark.timeout(300)
+def test_demo_rerun_with_other_rows_trains_on_new_shards(tmp_path, xattrs, capsys):
+    from gluon_stream.cli import main
+
+    common = ["demo", "--shards", "1", "--epochs", "1", "--delay", "0", "--batch-size", "4",
+              "--plot", "", "--no-progress", "--cache-dir", str(tmp_path / "cache")]
+    assert main(common + ["--rows", "200"]) == 0
+    assert "epoch 0: 184 samples" in capsys.readouterr().out  # 200 rows - 16 time steps
+    assert main(common + ["--rows", "100", "--inputs", "3"]) == 0
+    assert "epoch 0: 84 samples" in capsys.readouterr().out  # not the first run's 184
+
+
+# -- a read-only cache ------------------------------------------------------------------------------
+
+_READ_ONLY_CHILD = r"""
+import json, logging, sys
+sys.path.insert(0, {tests!r})
+import gluon_stream as gs
+from fake_generator import command
+seen = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        seen.append((record.levelname, record.getMessage()))
+logging.getLogger("gluon_stream").addHandler(Keep())
+logging.getLogger("gluon_stream").setLevel(logging.INFO)
+src = gs.CommandSource(["k1", "k2", "k3"], command("ok", rows=5), cache_dir={cache!r},
+                       cache_limit=1, retries=0)
+out = {{"hits": [], "shapes": []}}
+for key in ("k1", "k2", "k1"):
+    raw = src.produce(key, 0)
+    out["hits"].append(raw.cache_hit)
+    out["shapes"].append(list(raw.arrays[0].shape))
+try:
+    src.produce("k3", 0)
+except gs.ShardError as exc:
+    out["missing"] = str(exc)
+src.close()
+out["logs"] = seen
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_complete_cache_on_a_read_only_file_system_serves_its_shards(tmp_path):
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) for a read-only bind mount")
+    cache, mnt = tmp_path / "cache", tmp_path / "ro"
+    mnt.mkdir()
+    with gs.CommandSource(["k1", "k2"], command("ok", rows=5), cache_dir=cache) as src:
+        for key in ("k1", "k2"):
+            src.produce(key, 0)
+    (cache / ".k9.lock").touch()  # stale files a writable cache would clean up
+    code = _READ_ONLY_CHILD.format(tests=os.path.dirname(__file__), cache=str(mnt))
+    script = (f"mount --bind {shlex.quote(str(cache))} {shlex.quote(str(mnt))} && "
+              f"mount -o remount,bind,ro {shlex.quote(str(mnt))} && "
+              f"exec {shlex.quote(sys.executable)} -c {shlex.quote(code)}")
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=JOIN_S)
+    if probe.returncode != 0:
+        pytest.skip(f"unshare -rm is not allowed here: {probe.stderr.decode()[:200]}")
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True,
+                          timeout=JOIN_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    assert out["hits"] == [True, True, True] and out["shapes"] == [[5, 3]] * 3
+    assert "read-only cache_dir" in out["missing"] and "cannot be generated" in out["missing"]
+    infos = [m for level, m in out["logs"] if "is read-only" in m]
+    assert len(infos) == 1 and [lv for lv, m in out["logs"] if "is read-only" in m] == ["INFO"]
+    assert not [m for level, m in out["logs"] if level in ("WARNING", "ERROR")]
+    assert sorted(os.listdir(cache)) == [".k9.lock", "k1.npy", "k2.npy"]  # nothing evicted
+
+
+def test_a_cache_whose_shards_cannot_be_touched_still_serves_them(tmp_path, monkeypatch, caplog):
+    with source(tmp_path, "ok", keys=("k1", "k2")) as src:
+        src.produce("k1", 0)
+        src.produce("k2", 0)
+
+    def read_only_utime(path, *a, **kw):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(os, "utime", read_only_utime)
+    caplog.set_level(logging.INFO, logger="gluon_stream")
+    with source(tmp_path, "ok", keys=("k1", "k2")) as src:
+        assert [src.produce(k, 0).cache_hit for k in ("k1", "k2", "k1")] == [True] * 3
+    notes = [r for r in caplog.records if "cannot update the last-used time" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].levelname == "INFO"
+    assert len(runs(tmp_path)) == 2

@@ -8,6 +8,8 @@ from __future__ import annotations
 import errno
 import os
 import pickle
+import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -118,9 +120,13 @@ def test_stderr_capture_is_bounded(tmp_path):
 # -- atomic writes, locks, cleanup ---------------------------------------------------------
 
 
-def test_disk_full_in_the_generator_is_reported_as_such_and_not_retried(tmp_path):
-    with source(tmp_path, "enospc", retries=3) as src:
-        with pytest.raises(gs.ShardError, match=r"(?s)disk full.*No space left on device") as info:
+@pytest.mark.parametrize("mode, text", [
+    ("enospc", "No space left on device"),
+    ("short-write", "8192 requested and 0 written"),  # numpy's tofile on a full disk: no errno
+])
+def test_disk_full_in_the_generator_is_reported_as_such_and_not_retried(tmp_path, mode, text):
+    with source(tmp_path, mode, retries=3) as src:
+        with pytest.raises(gs.ShardError, match=rf"(?s)disk full.*{text}") as info:
             src.produce("k1", 0)
     assert info.value.disk_full
     assert len(runs(tmp_path)) == 1
@@ -204,3 +210,115 @@ def test_waiting_for_a_slow_generator_does_not_busy_wait(tmp_path):
         worker.join(JOIN_S)
         src.close()
     assert cpu < 0.25, f"{cpu:.2f} s of CPU spent waiting 1 s for a generator"
+
+
+# -- what a generator leaves at {path}, and the file system around it ---------------------------
+
+def test_a_directory_at_path_is_a_shard_error_and_is_removed(tmp_path):
+    with source(tmp_path, "directory") as src:
+        with pytest.raises(gs.ShardError, match=r"made a directory at .*\(removed\); it must "
+                                                r"write a regular file"):
+            src.produce("k1", 0)
+    assert os.listdir(tmp_path / "cache") == []
+
+
+def test_a_directory_left_at_a_temp_path_by_a_crashed_run_is_cleaned_up(tmp_path):
+    dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    left = tmp_path / "cache" / f".k1.{dead_pid}.deadbeef.tmp.npy"
+    left.mkdir(parents=True)
+    (left / "inside.npy").write_bytes(b"partial")
+    with source(tmp_path, "ok") as src:  # the constructor used to raise IsADirectoryError
+        raw = src.produce("k1", 0)
+    np.testing.assert_array_equal(raw.arrays[0], shard_values("k1", 10, 3))
+    assert os.listdir(tmp_path / "cache") == ["k1.npy"]
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_at_path_is_never_opened(tmp_path):
+    with source(tmp_path, "fifo") as src:
+        with pytest.raises(gs.ShardError, match=r"made a FIFO, socket or device at .*\(removed\)"):
+            src.produce("k1", 0)
+    assert os.listdir(tmp_path / "cache") == []
+
+
+@pytest.mark.timeout(60)
+def test_file_source_refuses_a_fifo_without_blocking_and_reads_a_directory(tmp_path):
+    np.save(tmp_path / "b.npy", np.arange(3.0))
+    np.savez(tmp_path / "a.npz", x=np.zeros((2, 2)), y=np.arange(2))
+    (tmp_path / "notes.txt").write_text("not a shard")
+    os.mkfifo(tmp_path / "pipe.npy")
+    with gs.FileSource([str(tmp_path / "pipe.npy")]) as src:
+        with pytest.raises(gs.CorruptShard, match=r"FIFO"):
+            src.produce(str(tmp_path / "pipe.npy"), 0)
+        with pytest.raises(gs.CorruptShard, match=r"FIFO"):
+            src.num_samples(str(tmp_path / "pipe.npy"), 0)
+    with gs.FileSource(str(tmp_path)) as src:  # a directory means its .npy/.npz files
+        keys, finite = src.keys_for_epoch(0)
+        assert finite and keys == [str(tmp_path / "a.npz"), str(tmp_path / "b.npy")]
+        assert [len(src.produce(k, 0).arrays) for k in keys] == [2, 1]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"no .npy/.npz files in"):
+        gs.FileSource(str(tmp_path / "empty"))
+
+
+@pytest.mark.parametrize("mode, suffix, found", [("np-savez", ".npy", ".tmp.npy.npz"),
+                                                 ("np-save", ".npz", ".tmp.npz.npy")])
+def test_numpy_adding_a_suffix_to_path_is_explained_and_cleaned_up(tmp_path, mode, suffix, found):
+    with source(tmp_path, mode, suffix=suffix) as src:
+        with pytest.raises(gs.ShardError, match=rf"wrote '[^']*{re.escape(found)}' \(removed\) "
+                                                r"instead of .*np.save/np.savez add .*open file"
+                           ) as info:
+            src.produce("k1", 0)
+    assert ("suffix='.npz'" in str(info.value)) is (mode == "np-savez")
+    assert os.listdir(tmp_path / "cache") == []
+
+
+def test_a_short_write_while_caching_a_function_shard_is_disk_full(tmp_path, monkeypatch):
+    def short_write(fp, array, **kw):
+        raise OSError("800 requested and 0 written")  # numpy's tofile sets no errno
+
+    monkeypatch.setattr(np.lib.format, "write_array", short_write)
+    src = gs.FunctionSource(["k1"], lambda k: np.ones((100, 3)), cache_dir=tmp_path / "cache")
+    with src, pytest.raises(gs.ShardError, match=r"disk full") as info:
+        src.produce("k1", 0)
+    assert info.value.disk_full and gs.retry.is_permanent(info.value)
+    assert os.listdir(tmp_path / "cache") == []
+
+
+def test_a_missing_program_is_not_retried(tmp_path, monkeypatch):
+    starts = []
+    real_run = _process.ProgramRunner.run
+
+    def counting_run(self, argv, **kw):
+        starts.append(argv[0])
+        return real_run(self, argv, **kw)
+
+    monkeypatch.setattr(_process.ProgramRunner, "run", counting_run)
+    src = gs.CommandSource(["k1"], [str(tmp_path / "no-such-gen"), "{path}"],
+                           cache_dir=tmp_path / "cache", retries=2, backoff=0.01)
+    with src, pytest.raises(gs.CommandNotFound, match=r"cannot start .*no-such-gen.*not retried"):
+        src.produce("k1", 0)
+    assert starts == [str(tmp_path / "no-such-gen")]  # once, not three times
+    assert isinstance(gs.CommandNotFound("x"), gs.ShardError)
+
+
+def test_cache_dir_deleted_mid_run_is_recreated(tmp_path, caplog):
+    cache = tmp_path / "cache"
+    src = gs.FunctionSource(["k1", "k2"], lambda k: np.full(3, int(k[1])), cache_dir=cache)
+    with src:
+        src.produce("k1", 0)
+        shutil.rmtree(cache)
+        raw = src.produce("k2", 0)
+    assert raw.arrays[0].tolist() == [2, 2, 2] and os.listdir(cache) == ["k2.npy"]
+    assert any("was deleted" in r.getMessage() for r in caplog.records)
+
+
+def test_cache_dir_deleted_while_a_generator_runs_is_recreated(tmp_path, caplog):
+    with source(tmp_path, "delete-cache-once") as src:
+        raw = src.produce("k1", 0)
+    np.testing.assert_array_equal(raw.arrays[0], shard_values("k1", 10, 3))
+    assert len(runs(tmp_path)) == 2  # the run whose output went with the directory, then one more
+    assert os.listdir(tmp_path / "cache") == ["k1.npy"]
+    assert any("was deleted" in r.getMessage() and r.levelname == "WARNING"
+               for r in caplog.records)

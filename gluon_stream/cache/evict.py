@@ -12,7 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from ..shardfile import remove_if_exists
+from ..errors import CorruptShard
+from ..shardfile import open_regular, remove_if_exists
 
 __all__ = ["CacheLimit", "evict_if_unread", "evict_lru", "parse_cache_limit"]
 
@@ -90,10 +91,12 @@ def evict_lru(shards: Iterable[tuple[float, str, int]], limit: CacheLimit, keep:
 
 
 def evict_if_unread(path: str) -> bool:
-    """Delete a shard unless someone holds a shared lock on it (is reading it)."""
+    """Delete a shard unless someone holds a shared lock on it (is reading it).
+
+    Only regular files are opened (a FIFO would block) and deleted."""
     try:
-        fp = open(path, "rb")
-    except FileNotFoundError:
+        fp = open_regular(path)
+    except (FileNotFoundError, CorruptShard):
         return False
     with fp:
         try:

@@ -11,7 +11,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from .._closing import Closing
 from ..cache import ShardCache, make_cache
@@ -91,18 +91,24 @@ class CachingSource(Source):
     """Shared logic of sources that may write shards into a cache directory.
 
     Subclasses implement :meth:`_create` (write the shard for a key to a validated temp file
-    in the cache and return its path).
+    in the cache and return its path) and :meth:`recipe` (what makes a key's shard, recorded
+    on the cached file and compared on every hit).
     """
 
     def __init__(self, keys: Keys, cache_dir: str | os.PathLike | None, lock_timeout: float,
-                 mmap: bool, cache_limit: int | str | None = None) -> None:
+                 mmap: bool, cache_limit: int | str | None = None,
+                 on_change: str = "regenerate") -> None:
         super().__init__(keys)
         if cache_limit is not None and cache_dir is None:
             raise ValueError("cache_limit needs a cache_dir")
         self._cache: ShardCache | None = (
-            make_cache(cache_dir, lock_timeout, self._closed, cache_limit)
+            make_cache(cache_dir, lock_timeout, self._closed, cache_limit, on_change)
             if cache_dir is not None else None)
         self._mmap = mmap
+
+    def recipe(self, key: Any, epoch: int) -> Mapping[str, Any] | None:
+        """What makes this key's shard (JSON-able); a cached shard made otherwise is stale."""
+        return None
 
     def _create(self, key: Any, epoch: int) -> str:  # pragma: no cover - abstract
         """Write the shard for ``key`` to a validated temp file in the cache; return its path."""
@@ -119,7 +125,8 @@ class CachingSource(Source):
         """
         name = self.shard_name(key, epoch)
         t0 = time.perf_counter()
-        path, hit = self._cache.get_or_create(name, lambda: self._create(key, epoch))
+        path, hit = self._cache.get_or_create(name, lambda: self._create(key, epoch),
+                                              self.recipe(key, epoch))
         if not hit:
             self._cache.enforce_limit(keep=path)
         return path, hit, time.perf_counter() - t0
@@ -138,17 +145,26 @@ class CachingSource(Source):
 
         Keys become file names (and command arguments), so a hostile key fails the epoch
         before any shard is produced; keys drawn from an iterator are checked one by one.
+        Two different keys with one file name (``1`` and ``'1'``) are refused: they would
+        share a cached shard.
         """
         keys, finite = super().keys_for_epoch(epoch)
         if finite and self._cache is not None:
+            seen: dict[str, Any] = {}
             for key in keys:
-                validate_key(key)
+                name = self.shard_name(key, epoch)  # validates the key
+                other = seen.setdefault(name, key)
+                if not _same_key(other, key):
+                    raise ValueError(
+                        f"keys {other!r} and {key!r} are different keys with one cache file "
+                        f"{name!r}: they would share a shard; use keys of one type (e.g. all "
+                        "str)")
         return keys, finite
 
     def num_samples(self, key: Any, epoch: int) -> int | None:
         if self._cache is None:
             return None
-        return self._cache.num_samples(self.shard_name(key, epoch))
+        return self._cache.num_samples(self.shard_name(key, epoch), self.recipe(key, epoch))
 
     def _load_cached(self, key: Any, epoch: int,
                      ensure: Callable[[Any, int], tuple[str, bool, float]]) -> RawShard:
@@ -175,6 +191,14 @@ class CachingSource(Source):
             return RawShard(key, epoch, arrays, path, hit, generate_s, time.perf_counter() - t1)
         raise ShardError(f"shard {key!r}: evicted {LOAD_ATTEMPTS} times before it could be read; "
                          "raise cache_limit above the number of shards in flight", key=key)
+
+
+def _same_key(a: Any, b: Any) -> bool:
+    """One key (listed twice, or ``1`` and ``np.int64(1)``, which compare equal), not two."""
+    try:
+        return a is b or bool(a == b)
+    except (TypeError, ValueError):  # keys whose == is not a plain bool
+        return False
 
 
 def _ensure_remote(source: CachingSource, key: Any, epoch: int) -> tuple[str, bool, float]:

@@ -1,16 +1,19 @@
 """CommandSource: each shard is written by an external program, run per key."""
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
+import stat
 from typing import Any, Mapping, Sequence
 
 from ..cache import SUFFIXES
-from ..errors import CorruptShard, ShardError, ShardTimeout, UnsafeShard
+from ..cache.recipe import recipe_digest
+from ..errors import CommandNotFound, CorruptShard, ShardError, ShardTimeout, UnsafeShard
 from ..keys import Keys, validate_key
 from ..retry import RetryPolicy
-from ..shardfile import inspect_shard, remove_if_exists
+from ..shardfile import discard_path, inspect_shard, is_disk_full
 from .base import CachingSource
 from ._process import ProgramRunner
 
@@ -19,7 +22,7 @@ __all__ = ["CommandSource"]
 logger = logging.getLogger(__name__)
 
 _TOKEN = re.compile(r"\{(?:key|path|epoch)\}")
-_DISK_FULL_HINTS = ("No space left on device", "ENOSPC", "[Errno 28]", "Disk quota exceeded")
+_CANNOT_START = (errno.ENOENT, errno.EACCES, errno.ENOEXEC, errno.ENOTDIR, errno.ELOOP)
 
 
 class CommandSource(CachingSource):
@@ -41,6 +44,13 @@ class CommandSource(CachingSource):
         mmap: Memory-map loaded ``.npy`` files.
         cache_limit: Keep at most this many shards (an int) or bytes (``'20GB'``) in the cache,
             evicting the least recently used.
+        version: Any text that names what the program makes; change it when the program
+            changes but its command line does not (a rebuilt binary, new input data).
+        on_change: A cached shard made by another command template, ``env`` or ``version``
+            (recorded on the file) is ``'regenerate'``d with a WARNING naming the change
+            (default), or ``'raise'`` refuses it with ``StaleShard``. The program only sees
+            ``str(key)``, so keys ``1`` and ``'1'`` make the same shard; a key list holding
+            both is refused.
 
     Example:
         >>> src = CommandSource(["2024-01-01"], ["./gen", "--date", "{key}", "--out", "{path}"],
@@ -51,7 +61,8 @@ class CommandSource(CachingSource):
                  timeout: float | None = 600.0, retries: int = 2, backoff: float = 0.5,
                  suffix: str = ".npy", env: Mapping[str, str] | None = None,
                  lock_timeout: float = 3600.0, mmap: bool = False,
-                 cache_limit: int | str | None = None) -> None:
+                 cache_limit: int | str | None = None, version: str | None = None,
+                 on_change: str = "regenerate") -> None:
         if isinstance(command, (str, bytes)) or not command:
             raise TypeError("command must be a non-empty list of arguments (argv), e.g. "
                             "['./gen', '--date', '{key}', '--out', '{path}']; it never runs in a shell")
@@ -65,12 +76,13 @@ class CommandSource(CachingSource):
             raise ValueError(f"suffix must be '.npy' or '.npz', got {suffix!r}")
         if cache_dir is None:
             raise ValueError("CommandSource needs a cache_dir: the program writes files there")
-        super().__init__(keys, cache_dir, lock_timeout, mmap, cache_limit)
+        super().__init__(keys, cache_dir, lock_timeout, mmap, cache_limit, on_change)
         self.command = [str(arg) for arg in command]
         self.timeout = timeout
         self.retry = RetryPolicy(retries, backoff)
         self.suffix = suffix
         self.env = env
+        self.version = None if version is None else str(version)
         self._runner = ProgramRunner()
 
     @property
@@ -85,6 +97,12 @@ class CommandSource(CachingSource):
     def shard_name(self, key: Any, epoch: int) -> str:
         name = validate_key(key)
         return f"{name}@e{epoch}" if self.per_epoch else name
+
+    def recipe(self, key: Any, epoch: int) -> dict:
+        """The command template and fixed arguments, a digest of ``env``, and ``version``."""
+        env = None if self.env is None else recipe_digest(sorted(self.env.items()))
+        return {"source": "CommandSource", "command": self.command, "env": env,
+                "version": self.version}
 
     def argv_for(self, key: Any, epoch: int, path: str) -> list[str]:
         """The argument vector for one run (tokens replaced literally, no other formatting)."""
@@ -102,7 +120,7 @@ class CommandSource(CachingSource):
                     inspect_shard(tmp)
                 return tmp
             except (ShardError, CorruptShard, UnsafeShard) as exc:
-                remove_if_exists(tmp)
+                discard_path(tmp)
                 self._check_open()
                 if not self.retry.should_retry(exc, attempt):
                     if attempt and isinstance(exc, ShardError) and exc.args:
@@ -115,7 +133,7 @@ class CommandSource(CachingSource):
                 if self._closed.wait(delay):
                     self._check_open()
             except BaseException:
-                remove_if_exists(tmp)
+                discard_path(tmp)
                 raise
         raise AssertionError("unreachable")
 
@@ -126,9 +144,11 @@ class CommandSource(CachingSource):
             result = self._runner.run(argv, timeout=self.timeout, env=self.env,
                                       closed=self._closed)
         except OSError as exc:
-            raise ShardError(f"shard {key!r}: cannot start {argv[0]!r}: {exc}; check the first "
-                             "element of command (an executable path)", key=key,
-                             argv=argv) from exc
+            cls = CommandNotFound if exc.errno in _CANNOT_START else ShardError
+            raise cls(f"shard {key!r}: cannot start {argv[0]!r}: {exc}; check the first "
+                      "element of command (an executable path)"
+                      + (" (not retried)" if cls is CommandNotFound else ""), key=key,
+                      argv=argv) from exc
         self._check_open()
         text, code = result.stderr_tail, result.returncode
         if result.timed_out:
@@ -138,21 +158,52 @@ class CommandSource(CachingSource):
                 f"{argv}; stderr tail:\n{text}",
                 key=key, argv=argv, returncode=code, stderr_tail=text)
         if code != 0:
-            if any(hint in text for hint in _DISK_FULL_HINTS):
+            if is_disk_full(text):
                 raise ShardError(
-                    f"shard {key!r}: disk full: the generator failed with 'No space left on "
-                    f"device' writing {tmp!r}; free space in {self._cache.root!r} or point "
+                    f"shard {key!r}: disk full: the generator's stderr reports a full disk or "
+                    f"quota writing {tmp!r}; free space in {self._cache.root!r} or point "
                     f"cache_dir elsewhere (not retried); command: {argv}; stderr tail:\n{text}",
                     key=key, argv=argv, returncode=code, stderr_tail=text, disk_full=True)
             how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
             raise ShardError(f"shard {key!r}: generator failed ({how}); command: {argv}; "
                              f"stderr tail:\n{text}", key=key, argv=argv, returncode=code,
                              stderr_tail=text)
-        if not os.path.lexists(tmp):
-            raise ShardError(f"shard {key!r}: generator exited 0 but wrote no file at {tmp!r} "
-                             f"(it must write to the '{{path}}' argument); command: {argv}; "
+        problem = self._output_problem(tmp)
+        if problem:
+            raise ShardError(f"shard {key!r}: generator exited 0 but {problem}; command: {argv}; "
                              f"stderr tail:\n{text}", key=key, argv=argv, returncode=0,
                              stderr_tail=text)
+
+    def _output_problem(self, tmp: str) -> str | None:
+        """What is wrong with what the generator left at ``tmp`` (None: a file or a symlink,
+        judged later); anything wrong there is removed. Nothing is opened here."""
+        try:
+            mode = os.lstat(tmp).st_mode
+        except FileNotFoundError:
+            return self._missing_output(tmp)
+        if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
+            return None
+        discard_path(tmp)
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO, socket or device"
+        return (f"made {kind} at {tmp!r} (removed); it must write a regular file to the "
+                "'{path}' argument")
+
+    def _missing_output(self, tmp: str) -> str:
+        misnamed = [tmp + ext for ext in SUFFIXES if os.path.lexists(tmp + ext)]
+        for path in misnamed:
+            discard_path(path)
+        if misnamed:
+            ext = os.path.splitext(misnamed[0])[1]
+            hint = (" (for .npz output also pass suffix='.npz')"
+                    if ext == ".npz" and self.suffix != ".npz" else "")
+            return (f"wrote {misnamed[0]!r} (removed) instead of {tmp!r}: np.save/np.savez add "
+                    f"'{ext}' to a name that does not end in it. Write exactly the '{{path}}' "
+                    "argument by passing an open file: with open(path, 'wb') as f: "
+                    f"np.save(f, ...) or np.savez(f, ...){hint}")
+        if not os.path.isdir(self._cache.root):
+            return (f"cache_dir {self._cache.root!r} was deleted while it ran, with the file it "
+                    "wrote")
+        return f"wrote no file at {tmp!r} (it must write to the '{{path}}' argument)"
 
     def close(self) -> None:
         """Kill every running generator (whole process groups); idempotent."""

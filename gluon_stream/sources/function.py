@@ -1,6 +1,7 @@
 """FunctionSource: each shard is what a Python function returns for its key."""
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any, Callable
@@ -14,14 +15,25 @@ from .base import CachingSource, RawShard
 
 __all__ = ["FunctionSource"]
 
+logger = logging.getLogger(__name__)
+
 
 class FunctionSource(CachingSource):
     """Produce each shard by calling ``fn(key)`` in a producer thread.
 
-    ``fn`` returns an array, a tuple/list of arrays or a dict of arrays (all with the same
-    first dimension). With ``cache_dir`` the result is written there atomically and later
-    runs load it instead of calling ``fn``; without, ``fn`` runs every time the shard is
-    needed and its arrays live only in memory while the shard is in the pipeline.
+    ``fn`` returns an array, a tuple of arrays (columns), a dict of arrays (in key order), or
+    MXNet NDArrays in any of those places, all with the same first dimension (the samples).
+    A list of arrays that differ in shape or dtype is read as columns; a list of same-shaped
+    arrays is refused as ambiguous (rows or columns?): return a tuple, or ``np.stack(rows)``.
+    With ``cache_dir`` the result is written there atomically and later runs load it instead
+    of calling ``fn``; without, ``fn`` runs every time the shard is needed and its arrays live
+    only in memory while the shard is in the pipeline.
+
+    Python code cannot be fingerprinted reliably, so a changed ``fn`` is detected only through
+    ``version=``: change it when ``fn`` changes, and cached shards made under another version
+    are regenerated (``on_change='regenerate'``, with a WARNING) or refused
+    (``on_change='raise'``). The key's type is recorded too: ``fn(1)`` and ``fn('1')`` never
+    share a cached shard silently (a key list holding both is refused).
 
     Example:
         >>> src = FunctionSource(range(3), lambda k: np.full((4, 2), k))
@@ -31,11 +43,24 @@ class FunctionSource(CachingSource):
 
     def __init__(self, keys: Keys, fn: Callable[[Any], Any], *,
                  cache_dir: str | os.PathLike | None = None, lock_timeout: float = 3600.0,
-                 mmap: bool = False, cache_limit: int | str | None = None) -> None:
+                 mmap: bool = False, cache_limit: int | str | None = None,
+                 version: str | None = None, on_change: str = "regenerate") -> None:
         if not callable(fn):
             raise TypeError(f"fn must be callable fn(key) -> arrays, got {type(fn).__name__}")
-        super().__init__(keys, cache_dir, lock_timeout, mmap, cache_limit)
+        if version is not None and cache_dir is None:
+            raise ValueError("version= names what made cached shards: it needs a cache_dir")
+        super().__init__(keys, cache_dir, lock_timeout, mmap, cache_limit, on_change)
         self.fn = fn
+        self.version = None if version is None else str(version)
+        if cache_dir is not None and version is None:
+            logger.info("FunctionSource(cache_dir=%r) without version=: shards cached by an "
+                        "earlier fn are reused; pass version= and change it when fn changes",
+                        os.fspath(cache_dir))
+
+    def recipe(self, key: Any, epoch: int) -> dict:
+        """``version`` and the key's type (what ``fn`` was called with)."""
+        return {"source": "FunctionSource", "version": self.version,
+                "key_type": type(key).__name__}
 
     def call(self, key: Any) -> tuple[np.ndarray, ...]:
         """``fn(key)`` as a checked tuple of arrays; its failures become a ShardError."""
