@@ -8,11 +8,27 @@ import time
 from typing import Any, Iterator, Sequence
 
 from .._fsspec import downloaded, fsspec, glob_urls, is_url, local_or_url
+from ..cache import SUFFIXES
 from ..errors import CorruptShard
 from ..shardfile import inspect_shard, load_shard
 from .base import RawShard, Source
 
-__all__ = ["FileSource"]
+__all__ = ["FileSource", "expand_paths"]
+
+
+def expand_paths(pattern: str) -> list[str]:
+    """The shard files one path argument names: a directory's ``.npy``/``.npz`` files, a glob
+    pattern's matching files, both sorted; otherwise the path itself if something is there
+    (a FIFO or directory in a list is refused when read, never opened); ``[]`` if nothing.
+
+    ``FileSource`` and ``gluon-stream inspect`` read their arguments with this one rule.
+    """
+    if os.path.isdir(pattern):
+        return sorted(p for p in glob.glob(os.path.join(glob.escape(pattern), "*"))
+                      if p.endswith(SUFFIXES) and os.path.isfile(p))
+    if glob.has_magic(pattern):
+        return sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
+    return [pattern] if os.path.lexists(pattern) else []
 
 
 class FileSource(Source):
@@ -23,7 +39,8 @@ class FileSource(Source):
     private temporary file, validated and loaded like a local one, and the copy is removed.
 
     Args:
-        paths: A glob pattern (sorted matches), or a list of paths or URLs.
+        paths: A directory (its ``.npy``/``.npz`` files, sorted), a glob pattern (its sorted
+            matching files), or a list of paths or URLs. Only regular files are ever opened.
         mmap: Memory-map local ``.npy`` files instead of reading them.
 
     Example:
@@ -34,9 +51,10 @@ class FileSource(Source):
                  mmap: bool = False) -> None:
         if isinstance(paths, (str, os.PathLike)):
             pattern = os.fspath(paths)
-            matched = glob_urls(pattern) if "://" in pattern else sorted(glob.glob(pattern))
+            matched = glob_urls(pattern) if is_url(pattern) else expand_paths(local_or_url(pattern))
             if not matched:
-                raise FileNotFoundError(f"FileSource: no files match {pattern!r}")
+                what = "no .npy/.npz files in" if os.path.isdir(pattern) else "no files match"
+                raise FileNotFoundError(f"FileSource: {what} {pattern!r}")
             paths = matched
         super().__init__([local_or_url(os.fspath(p)) for p in paths])
         self._mmap = mmap
