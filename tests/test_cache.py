@@ -517,3 +517,15 @@ def test_a_cache_whose_shards_cannot_be_touched_still_serves_them(tmp_path, monk
     notes = [r for r in caplog.records if "cannot update the last-used time" in r.getMessage()]
     assert len(notes) == 1 and notes[0].levelname == "INFO"
     assert len(runs(tmp_path)) == 2
+
+
+def test_a_cache_remounted_read_only_while_running_says_so(tmp_path, monkeypatch):
+    def read_only(self, lock, name):
+        raise OSError(errno.EROFS, "Read-only file system", lock.lock_file)
+
+    with source(tmp_path, "ok") as src:
+        monkeypatch.setattr(cache_local.ShardCache, "_acquire", read_only)
+        with pytest.raises(gs.ShardError, match=r"'k1' is not in the read-only cache_dir .* "
+                                                r"cannot be generated there"):
+            src.produce("k1", 0)
+    assert runs(tmp_path) == []

@@ -233,13 +233,13 @@ class ShardCache:
         if path is not None:
             return path, True
         if self.read_only:
-            raise ShardError(f"shard {name!r} is not in the read-only cache_dir {self.root!r} "
-                             "and cannot be generated there; generate it where the cache is "
-                             "writable, or point cache_dir at a writable directory", key=name)
+            raise self._cannot_generate(name)
         for attempt in range(2):
             try:
                 return self._create_locked(name, create, recipe)
             except (OSError, ShardError) as exc:
+                if isinstance(exc, OSError) and exc.errno == errno.EROFS:
+                    raise self._cannot_generate(name) from exc  # remounted read-only since
                 if os.path.isdir(self.root):
                     raise
                 if attempt:
@@ -250,6 +250,11 @@ class ShardCache:
                 logger.warning("cache_dir %s was deleted while shard %r was being made; "
                                "making the shard again", self.root, name)
         raise AssertionError("unreachable")
+
+    def _cannot_generate(self, name: str) -> ShardError:
+        return ShardError(f"shard {name!r} is not in the read-only cache_dir {self.root!r} and "
+                          "cannot be generated there; generate it where the cache is writable, "
+                          "or point cache_dir at a writable directory", key=name)
 
     def _create_locked(self, name: str, create: Callable[[], str],
                        recipe: Mapping[str, Any] | None) -> tuple[str, bool]:
