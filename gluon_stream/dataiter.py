@@ -13,7 +13,10 @@ StreamIter adapts a loader to that contract:
   slices of it, never overwritten later, so holding on to a batch (as ``PrefetchingIter``
   does) is safe;
 * ``reset()`` ends the current pass (its producers are cancelled) and the next call starts
-  the loader's next epoch; a ``reset()`` before any batch was taken changes nothing.
+  the loader's next epoch; a ``reset()`` before any batch was taken changes nothing;
+  ``set_epoch(e)`` makes the next pass epoch ``e`` (``Module.fit(begin_epoch=e)`` needs it);
+* ``provide_data``/``provide_label`` come from the batch in hand when ``next()`` is called
+  first (``Module.score`` and ``predict`` do), so a pass of exactly one batch works.
 """
 from __future__ import annotations
 
@@ -115,17 +118,21 @@ class StreamIter(data_iter_base(), Closing):
             if arrays is None:
                 raise ValueError("StreamIter: the loader yields no batches, so provide_data "
                                  "is unknown; check its keys and last_batch")
-            descs = []
-            for name, arr in zip(self.data_names + self.label_names, arrays):
-                shape = (self.batch_size,) + tuple(arr.shape[1:])
-                layout = self.layouts.get(name, DEFAULT_LAYOUTS.get(len(shape), "N"))
-                if len(layout) != len(shape):
-                    raise ValueError(f"layout {layout!r} of {name!r} does not match its "
-                                     f"shape {shape}")
-                descs.append(self._mx.io.DataDesc(name, shape, np.dtype(arr.dtype).type, layout))
-            n = len(self.data_names)
-            self._provide = (descs[:n], descs[n:])
+            self._provide = self._describe(arrays)
         return self._provide
+
+    def _describe(self, arrays: list) -> tuple[list, list]:
+        """DataDescs of the inputs and the labels, from one batch's arrays."""
+        descs = []
+        for name, arr in zip(self.data_names + self.label_names, arrays):
+            shape = (self.batch_size,) + tuple(arr.shape[1:])
+            layout = self.layouts.get(name, DEFAULT_LAYOUTS.get(len(shape), "N"))
+            if len(layout) != len(shape):
+                raise ValueError(f"layout {layout!r} of {name!r} does not match its "
+                                 f"shape {shape}")
+            descs.append(self._mx.io.DataDesc(name, shape, np.dtype(arr.dtype).type, layout))
+        n = len(self.data_names)
+        return descs[:n], descs[n:]
 
     # -- the DataIter protocol ---------------------------------------------------------------
     def reset(self) -> None:
@@ -145,6 +152,8 @@ class StreamIter(data_iter_base(), Closing):
         if arrays is None:
             self._current = None
             return False
+        if self._provide is None:  # from the batch in hand: next() may come before provide_data
+            self._provide = self._describe(arrays)
         self._taken += 1
         self._current = self._split(arrays)
         return True
@@ -173,6 +182,15 @@ class StreamIter(data_iter_base(), Closing):
     def getindex(self) -> None:
         """Sample indices are not tracked (shards are shuffled in the background): None."""
         return None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start the loader's epoch ``epoch`` at the next batch; later ``reset()``s go on from it.
+
+        ``Module.fit(it, begin_epoch=5)`` does not tell its iterator the epoch: call
+        ``it.set_epoch(5)`` before it, so that the resumed run gets epoch 5's order, not epoch 0's.
+        """
+        self._end_pass()
+        self.loader.set_epoch(epoch)
 
     def close(self) -> None:
         """End the current pass (cancels its producers). The loader stays open; idempotent."""

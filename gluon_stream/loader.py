@@ -27,6 +27,7 @@ import numpy as np
 
 from . import _validate
 from ._closing import Closing
+from ._lifecycle import check_owner, track
 from ._mx import arrays as mx_arrays
 from ._mx import require_mxnet
 from ._mx import shm as mx_shm
@@ -35,7 +36,8 @@ from ._mx.samples import SAMPLE_FORMATS
 from .batching import LAST_BATCH_MODES, Batch, BatchPlanner, Position, Segment, UnitPlan
 from .errors import LoaderClosed
 from .progress import ProgressBar
-from .sources import Source
+from .sources import CachingSource, FileSource, Source
+from .state import decode_state, encode_state
 from .stats import EpochRecord, Stats
 from .stream import EpochRun, Shard, ShardStream
 
@@ -82,6 +84,7 @@ class _UnitFeed:
         self.final: Batch | None = None
         self.failure: BaseException | None = None
         self.shard_wait_s = 0.0  # time spent waiting for shards to be produced, in total
+        self.samples = 0  # samples of the shards handed out
         self._ended = False
 
     def ready(self) -> bool:
@@ -106,6 +109,7 @@ class _UnitFeed:
             self.final = self.planner.finish()
             return None
         self.record.peak_prefetch = max(self.record.peak_prefetch, self.run.ready_ahead() + 1)
+        self.samples += len(shard)
         return shard, self.planner.add(shard.index, len(shard), key=shard.key)
 
     def done(self, shard: Shard, plan: UnitPlan) -> None:
@@ -331,8 +335,11 @@ class StreamLoader(Closing):
         even_batches: Every part yields the same number of full batches per epoch (the
             smallest part's count; the few samples beyond it wait for another epoch, dealt
             differently), so synchronous training never waits on a rank that ran out.
-        shard_sizes: ``{key: samples}`` or ``fn(key)`` after ``transform``, when file headers
-            cannot tell (for ``len()`` and ``even_batches``).
+        shard_sizes: Samples per shard after ``transform``, when headers cannot tell (for
+            ``len()`` and ``even_batches``): ``{key: samples}``, ``fn(key)``, or one int for
+            every shard.
+        num_epochs: How many epochs will be run, if known: the last epoch's end then does not
+            produce the next epoch's first shards ahead.
 
     Example:
         >>> import numpy as np
@@ -342,8 +349,6 @@ class StreamLoader(Closing):
         ...     [len(b) for b in loader]
         [4, 4, 4, 4, 4, 4, 4, 2]
     """
-
-    STATE_VERSION = 1
 
     def __init__(self, source: Source | ShardStream, batch_size: int, *,
                  transform: Callable[[Any], Any] | None = _validate.UNSET,
@@ -359,8 +364,8 @@ class StreamLoader(Closing):
                  stats: Stats | None = _validate.UNSET, progress: bool = False,
                  num_parts: int | str = _validate.UNSET, part_index: int | str = _validate.UNSET,
                  kvstore: Any = _validate.UNSET, even_batches: bool = False,
-                 shard_sizes: Mapping[Any, int] | Callable[[Any], int] | None = _validate.UNSET
-                 ) -> None:
+                 shard_sizes: Mapping[Any, int] | Callable[[Any], int] | int | None
+                 = _validate.UNSET, num_epochs: int | None = _validate.UNSET) -> None:
         require_mxnet()
         self.batch_size = _validate.integer("batch_size", batch_size, minimum=1)
         self.last_batch = _validate.choice("last_batch", last_batch, LAST_BATCH_MODES)
@@ -376,8 +381,8 @@ class StreamLoader(Closing):
             ("transform", transform), ("shuffle", shuffle), ("seed", seed),
             ("prefetch", prefetch), ("producers", producers), ("on_error", on_error),
             ("schema", schema), ("stats", stats), ("num_parts", num_parts),
-            ("part_index", part_index), ("kvstore", kvstore), ("shard_sizes", shard_sizes))
-            if _validate.is_set(value)}
+            ("part_index", part_index), ("kvstore", kvstore), ("shard_sizes", shard_sizes),
+            ("num_epochs", num_epochs)) if _validate.is_set(value)}
         if isinstance(source, ShardStream):
             if given:
                 raise ValueError(f"{', '.join(given)} given to StreamLoader together with a "
@@ -398,7 +403,6 @@ class StreamLoader(Closing):
         self._position: Position | None = None  # where the epoch in progress stands
         self._delivered = 0  # batches delivered in the epoch in progress
         self._resume: tuple[Position, int] | None = None  # set by load_state_dict
-        self._finished_epoch: int | None = None
         if self.vectorised:
             path: Any = _SlicePath(mx_arrays.batch_context(pin_memory, pin_device_id))
             if num_workers:
@@ -409,6 +413,7 @@ class StreamLoader(Closing):
         self._path = path
         self._res = _LoaderResources(stream, owns, path)
         self._finalizer = weakref.finalize(self, self._res.close)
+        track(self, self._finalizer)
 
     # -- public API -----------------------------------------------------------------------
     @property
@@ -428,9 +433,35 @@ class StreamLoader(Closing):
     def __len__(self) -> int:
         count = self._num_batches(self.stream.epoch)
         if count is None:
-            raise TypeError("len(StreamLoader) is unknown: the keys are an iterator, or shard sizes "
-                            "are not known yet (a transform changes them); iterate one epoch first")
+            raise TypeError(f"len(StreamLoader) is unknown for epoch {self.stream.epoch}: "
+                            f"{self._unknown_size_reason(self.stream.epoch)}")
         return count
+
+    def _unknown_size_reason(self, epoch: int) -> str:
+        """Why this loader cannot count an epoch's samples without producing it, and the fix."""
+        stream = self.stream
+        _, finite, keys = stream.epoch_keys(epoch)
+        if not finite:
+            return ("the keys are an endless iterator, so the epoch has no known end (iterate "
+                    "with a fixed number of steps instead)")
+        unknown = [k for k in keys if stream.shard_size(k, epoch) is None]
+        source = stream.source
+        why = []
+        if stream.transform is not None:
+            why.append("a transform may change the sample counts of the files")
+        if isinstance(source, CachingSource) and getattr(source, "_cache", None) is None:
+            why.append("the shards are made by a function and not cached")
+        elif isinstance(source, CachingSource):
+            why.append("they are not in the cache yet")
+        if source.per_epoch:
+            why.append("the command uses {epoch}, so every epoch has new shards")
+        if isinstance(source, FileSource):
+            why.append("remote files' headers are not read ahead")
+        return (f"the sizes of {len(unknown)} of {len(keys)} shards (e.g. {unknown[0]!r}) are not "
+                f"known without producing them ({'; '.join(why) or 'they are made on demand'}). "
+                "Pass shard_sizes= (a dict, fn(key), or one int for every shard), fill the cache "
+                "ahead with gluon-stream generate, or read existing files with FileSource; sizes "
+                "of shards seen in an earlier pass are reused when the data cannot change")
 
     def _num_batches(self, epoch: int) -> int | None:
         total = self.stream.epoch_size(epoch)
@@ -454,45 +485,43 @@ class StreamLoader(Closing):
             carry, delivered = self._rollover, 0
         self._rollover = _Carry()
         run = self.stream.start_epoch(skip=start.unit, prepare=self._path.prepare)
+        self._position, self._delivered = start, delivered  # until a batch moves it
         return self._epoch(run, start, carry, delivered)
+
+    def _settings(self) -> dict:
+        """What decides the batches, stored in a state and checked on load."""
+        stream = self.stream
+        return {"seed": stream.seed, "shuffle": stream.shuffle, "batch_size": self.batch_size,
+                "num_parts": stream.num_parts, "part_index": stream.part_index}
 
     def state_dict(self) -> dict:
         """Where the stream stands, as a small JSON-serialisable dict (take it between batches).
 
         A fresh loader with the same arguments continues, after :meth:`load_state_dict`, with
-        exactly the batches this one would have produced next.
+        exactly the batches this one would have produced next. The state also records the keys
+        it refers to, so a resume with a changed key list is refused instead of repeating or
+        skipping samples.
         """
         if self._position is not None:
             position, delivered = self._position, self._delivered
         elif self._resume is not None:
             position, delivered = self._resume
-        else:
-            epoch = self.stream.epoch
-            if epoch == self._finished_epoch:  # set_epoch(e) then a whole pass: e + 1 is next
-                epoch += 1
-            position, delivered = Position(epoch, 0, 0, tuple(self._rollover.segments)), 0
-        return {"epoch": position.epoch, "shard": position.unit, "offset": position.offset,
-                "batches": delivered, "carry": [_segment_state(s) for s in position.carry],
-                "version": self.STATE_VERSION, "seed": self.stream.seed,
-                "shuffle": self.stream.shuffle, "batch_size": self.batch_size,
-                "num_parts": self.stream.num_parts, "part_index": self.stream.part_index}
+        else:  # between epochs: the next one starts, with what the last one rolled over
+            position = Position(self.stream.epoch, 0, 0, tuple(self._rollover.segments))
+            delivered = 0
+        return encode_state(position, delivered, self._settings(),
+                            self.stream.epoch_keys(position.epoch)[2])
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict` of a loader built with the same arguments."""
-        expected = {"version": self.STATE_VERSION, "seed": self.stream.seed,
-                    "shuffle": self.stream.shuffle, "batch_size": self.batch_size,
-                    "num_parts": self.stream.num_parts, "part_index": self.stream.part_index}
-        missing = {"epoch", "shard", "offset", "batches", "carry"} - set(state)
-        if missing:
-            raise ValueError(f"not a StreamLoader state: missing {sorted(missing)}")
-        differ = {k: (state.get(k), v) for k, v in expected.items() if state.get(k) != v}
-        if differ:
-            raise ValueError(f"state was saved by a loader with other settings "
-                             f"(saved, this one): {differ}; build the loader as before")
-        carry = tuple(Segment(int(s["epoch"]), int(s["index"]), int(s["start"]), int(s["end"]),
-                              s.get("key")) for s in state["carry"])
-        position = Position(int(state["epoch"]), int(state["shard"]), int(state["offset"]), carry)
-        self._resume = (position, int(state["batches"]))
+        """Continue from :meth:`state_dict` of a loader built with the same arguments.
+
+        Raises:
+            ValueError: the state is not a StreamLoader state, a field is out of range, it was
+                saved with other settings, or the keys it refers to changed.
+        """
+        position, delivered = decode_state(state, self._settings(), self.batch_size,
+                                           lambda epoch: self.stream.epoch_keys(epoch)[2])
+        self._resume = (position, delivered)
         self._position = None
         self._rollover = _Carry()
         self.stream.set_epoch(position.epoch)
@@ -516,6 +545,7 @@ class StreamLoader(Closing):
 
     # -- one epoch ------------------------------------------------------------------------
     def _check_open(self) -> None:
+        check_owner(self, "StreamLoader")
         if self._res.closed:
             raise LoaderClosed("this StreamLoader is closed; create a new one")
         self.stream.check_open()
@@ -560,7 +590,9 @@ class StreamLoader(Closing):
             record.complete = True
             self._rollover = carry if self.last_batch == "rollover" else _Carry()
             self._position = None
-            self._finished_epoch = run.epoch
+            if not record.samples:
+                logger.warning("epoch %d delivered no samples: %s", run.epoch,
+                               _empty_reason(run, feed, self.batch_size, self.last_batch))
         finally:
             run.cancel()
             record.skipped_shards = run.skipped
@@ -581,18 +613,25 @@ class StreamLoader(Closing):
         return min(sizes) // self.batch_size
 
 
+def _empty_reason(run: EpochRun, feed: _UnitFeed, batch_size: int, last_batch: str) -> str:
+    """Why an epoch gave no batch, in words (for its one WARNING)."""
+    shards = run.index
+    if not shards:
+        return "it has no keys"
+    if run.skipped == shards:
+        return f"all {shards} shards were skipped (on_error='skip'; see the warnings above)"
+    if feed.samples:
+        return (f"its {feed.samples} samples are fewer than batch_size={batch_size} and "
+                f"last_batch={last_batch!r} keeps them out of this epoch")
+    return (f"its {shards} shard(s) hold no samples (does a transform return 0 rows, e.g. "
+            "windows longer than the shard?)")
+
+
 def _join(parts: list) -> tuple:
     """Arrays of a batch from its parts (tuples of NDArrays), joined along the sample axis."""
     if len(parts) == 1:
         return parts[0]
     return tuple(mx_arrays.concat(list(arrays)) for arrays in zip(*parts))
-
-
-def _segment_state(segment: Segment) -> dict:
-    """Where carried samples came from, as plain data: enough to produce them again."""
-    key = segment.key if isinstance(segment.key, (str, int, float)) else str(segment.key)
-    return {"epoch": segment.epoch, "index": segment.unit, "key": key, "start": segment.start,
-            "end": segment.stop}
 
 
 def _as_batch(arrays: tuple) -> Any:

@@ -28,6 +28,7 @@ import numpy as np
 
 from . import _validate
 from ._closing import Closing
+from ._lifecycle import check_owner, track
 from ._mx import require_mxnet
 from .distributed import resolve_parts
 from .errors import LoaderClosed, SchemaMismatch, add_note
@@ -134,8 +135,11 @@ class ShardStream(Closing):
             differently each epoch. ``'auto'`` reads them from ``kvstore``, Horovod or the
             launcher's environment (see :func:`gluon_stream.distributed.resolve_parts`).
         kvstore: An MXNet kvstore to read the rank from with ``'auto'``.
-        shard_sizes: ``{key: samples}`` or ``fn(key) -> samples`` (after ``transform``), for
-            ``len()`` and ``even_batches`` when headers cannot tell.
+        shard_sizes: Samples per shard after ``transform``, for ``len()`` and ``even_batches``
+            when headers cannot tell: ``{key: samples}``, ``fn(key) -> samples``, or one int for
+            every shard.
+        num_epochs: How many epochs will be run, if known: the shards of epoch ``num_epochs``
+            are then not produced ahead while the last epoch ends (they would be thrown away).
 
     Example:
         >>> from gluon_stream import FunctionSource
@@ -150,7 +154,8 @@ class ShardStream(Closing):
                  schema: Sequence[tuple[Any, Sequence[int]]] | None = None,
                  stats: Stats | None = None, num_parts: int | str = 1,
                  part_index: int | str = 0, kvstore: Any = None,
-                 shard_sizes: Mapping[Any, int] | Callable[[Any], int] | None = None) -> None:
+                 shard_sizes: Mapping[Any, int] | Callable[[Any], int] | int | None = None,
+                 num_epochs: int | None = None) -> None:
         if not isinstance(source, Source):
             raise TypeError(f"source must be a CommandSource, FunctionSource or FileSource, got "
                             f"{type(source).__name__}")
@@ -181,12 +186,21 @@ class ShardStream(Closing):
                         if schema is not None else None)
         self.stats = stats if stats is not None else Stats()
         self.epoch = 0
-        self._epoch_set = False
         self._next_run: EpochRun | None = None
         self._sizes: dict[tuple, int] = {}
+        if isinstance(shard_sizes, int) and not isinstance(shard_sizes, bool):
+            shard_sizes = _validate.integer("shard_sizes", shard_sizes, minimum=0)
+        elif shard_sizes is not None and not (callable(shard_sizes)
+                                              or isinstance(shard_sizes, Mapping)):
+            raise TypeError(f"shard_sizes must be a dict {{key: samples}}, a callable "
+                            f"fn(key) -> samples or one int for every shard, got "
+                            f"{type(shard_sizes).__name__}")
         self._shard_sizes = shard_sizes
+        self.num_epochs = (None if num_epochs is None
+                           else _validate.integer("num_epochs", num_epochs, minimum=1))
         self._res = _Resources(source, producers)
         self._finalizer = weakref.finalize(self, self._res.close)
+        track(self, self._finalizer)
 
     # -- configuration ------------------------------------------------------------------
     @property
@@ -197,13 +211,13 @@ class ShardStream(Closing):
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch the next iteration produces (its keys, shuffle and cache entries)."""
         self.epoch = _validate.integer("epoch", epoch, minimum=0)
-        self._epoch_set = True
 
     @property
     def closed(self) -> bool:
         return self._res.closed.is_set()
 
     def check_open(self) -> None:
+        check_owner(self, "ShardStream")
         if self.closed:
             raise LoaderClosed("this ShardStream/StreamLoader is closed; create a new one")
 
@@ -230,8 +244,12 @@ class ShardStream(Closing):
         """Samples in a shard after transform, if known without producing it."""
         n = self._sizes.get((key, epoch), self._sizes.get((key, None)))
         if n is None and self._shard_sizes is not None:
-            n = (self._shard_sizes(key) if callable(self._shard_sizes)
-                 else self._shard_sizes.get(key))
+            if isinstance(self._shard_sizes, int):
+                n = self._shard_sizes
+            elif callable(self._shard_sizes):
+                n = self._shard_sizes(key)
+            else:
+                n = self._shard_sizes.get(key)
         if n is None and self.transform is None:
             n = self.source.num_samples(key, epoch)
         return n
@@ -277,9 +295,7 @@ class ShardStream(Closing):
         """
         self.check_open()
         epoch = self.epoch
-        if not self._epoch_set:
-            self.epoch += 1  # without set_epoch, each pass is a new epoch
-        self._epoch_set = False
+        self.epoch += 1  # without set_epoch, the next pass is the next epoch
         ahead, self._next_run = self._next_run, None
         for old in list(self._res.runs):
             if old is not ahead:
@@ -394,6 +410,7 @@ class EpochRun:
         self.cancelled = False
         self.skipped = 0
         self.exhausted = False
+        self.key_error: BaseException | None = None
         self.last_wait_s = 0.0
 
     def _submit(self, key: Any, index: int) -> cf.Future:
@@ -402,14 +419,21 @@ class EpochRun:
 
     def _fill(self, depth: int, ahead: bool = True) -> None:
         while len(self.pending) < depth and not self.exhausted:
-            key = next(self.keys, _END)
+            try:
+                key = next(self.keys, _END)
+            except Exception as exc:  # the keys' own iterator failed: the shards drawn come first
+                add_note(exc, f"gluon_stream: raised by the keys of epoch {self.epoch} after "
+                              f"{self.index} key(s); the shards of those were delivered first")
+                self.key_error, self.exhausted = exc, True
+                break
             if key is _END:
                 self.exhausted = True
                 break
             self.pending.append((key, self.index, self._submit(key, self.index)))
             self.index += 1
+        last = self.stream.num_epochs is not None and self.epoch + 1 >= self.stream.num_epochs
         if ahead and self.exhausted and self.finite and len(self.pending) < depth \
-                and not self.cancelled:
+                and not self.cancelled and not last:
             # the window has room: start on the next epoch (the one set_epoch(e + 1) or the
             # next pass will ask for); a different epoch discards it
             try:
@@ -444,6 +468,9 @@ class EpochRun:
                 raise LoaderClosed("this epoch pass was replaced by a newer one")
             self._fill(stream.prefetch + 1)
             if not self.pending:
+                if self.key_error is not None:
+                    error, self.key_error = self.key_error, None
+                    raise error
                 return None
             key, index, fut = self.pending.popleft()
             self._fill(stream.prefetch)

@@ -228,3 +228,52 @@ def test_docstring_example_runs():
 
     result = doctest.testmod(dataiter)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_next_before_provide_data_on_a_one_batch_pass():
+    """Module.score/predict call next() before provide_data: a one-batch pass must work."""
+    src = gs.FunctionSource([0], lambda k: (np.ones((3, 2), np.float32), np.zeros(3, np.float32)))
+    with gs.StreamLoader(src, batch_size=4) as loader:
+        it = gs.StreamIter(loader)
+        batch = it.next()
+        assert batch.pad == 1 and batch.data[0].shape == (4, 2)
+        assert [d.shape for d in it.provide_data] == [(4, 2)]
+        with pytest.raises(StopIteration):
+            it.next()
+        it.close()
+
+
+def test_module_fit_with_a_one_batch_validation_set_and_begin_epoch():
+    data = mx.sym.Variable("data")
+    net = mx.sym.SoftmaxOutput(mx.sym.FullyConnected(data, num_hidden=2, name="fc"),
+                               name="softmax")
+
+    def train_fn(key):
+        x = np.random.default_rng(key).standard_normal((30, 4)).astype(np.float32)
+        return x, (x[:, 0] > 0).astype(np.float32)
+
+    train_src = gs.FunctionSource(lambda epoch: [10 * epoch, 10 * epoch + 1], train_fn)
+    with gs.StreamLoader(train_src, batch_size=8, shuffle=True, seed=1) as train, \
+            gs.StreamLoader(gs.FunctionSource([99], lambda k: tuple(a[:5] for a in train_fn(k))),
+                            batch_size=8) as val:
+        train_iter, val_iter = gs.StreamIter(train), gs.StreamIter(val)
+        train_iter.set_epoch(5)  # what Module.fit(begin_epoch=5) needs
+        mod = mx.mod.Module(net, context=mx.cpu())
+        mod.fit(train_iter, eval_data=val_iter, begin_epoch=5, num_epoch=7, optimizer="sgd",
+                initializer=mx.init.Xavier(), eval_metric="acc")
+        assert [e.epoch for e in train.stats.epochs] == [5, 6]  # epoch 5's and 6's keys
+        assert [e.samples for e in val.stats.epochs] == [5, 5]  # one short batch, each epoch
+        train_iter.close()
+        val_iter.close()
+
+
+def test_bool_labels_are_padded_like_any_other():
+    src = gs.FunctionSource([0], lambda k: (np.arange(6, dtype=np.float32), np.arange(6) % 2 == 0))
+    with gs.StreamLoader(src, batch_size=4) as loader:
+        it = gs.StreamIter(loader, label_names=["mask"])
+        pads = []
+        for batch in it:
+            pads.append(batch.pad)
+            assert batch.label[0].dtype == np.bool_ and batch.label[0].shape == (4,)
+        assert pads == [0, 2]
+        it.close()

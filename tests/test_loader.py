@@ -5,11 +5,13 @@ from __future__ import annotations
 import collections
 import itertools
 import os
+import subprocess
 import sys
 import threading
 
 import mxnet as mx
 import numpy as np
+import psutil
 import pytest
 
 import gluon_stream as gs
@@ -123,6 +125,16 @@ def test_without_set_epoch_each_pass_is_the_next_epoch():
         loader.set_epoch(1)
         again = [i for b in loader for i in batch_ids(b)]
     assert first != second and second == again
+
+
+def test_after_set_epoch_the_following_passes_go_on_from_it():
+    with make_loader(shuffle=True, seed=5) as loader:
+        loader.set_epoch(3)
+        assert loader.epoch == 3
+        list(loader)
+        assert loader.epoch == 4  # not epoch 3 again (Module.fit calls reset() per epoch)
+        list(loader)
+        assert [e.epoch for e in loader.stats.epochs] == [3, 4]
 
 
 class Gate:
@@ -390,3 +402,146 @@ def test_pin_memory_puts_batches_in_pinned_host_memory(path):
         batches = list(loader)
     assert {str(a.context) for b in batches for a in b} == {"cpu_pinned(0)"}
     assert sorted(i for b in batches for i in batch_ids(b)) == all_ids([6, 6])
+
+
+# -- len() before the first pass ------------------------------------------------------------
+@pytest.mark.parametrize("shard_sizes", [dict(enumerate([5, 5, 5])), lambda key: 5, 5])
+def test_len_before_the_first_pass_from_shard_sizes(shard_sizes):
+    """LR schedulers and GluonCV's scripts ask for len() before training starts."""
+    src = gs.FunctionSource(range(3), lambda k: np.zeros((5, 2)))
+    with gs.StreamLoader(src, batch_size=4, transform=lambda raw: raw,
+                         shard_sizes=shard_sizes) as loader:
+        assert len(loader) == 4
+        assert sum(1 for _ in loader) == 4
+
+
+def test_len_of_a_fresh_function_source_says_why_and_what_works():
+    src = gs.FunctionSource(range(3), lambda k: np.zeros((5, 2)))
+    with gs.StreamLoader(src, batch_size=4) as loader:
+        with pytest.raises(TypeError) as info:
+            len(loader)
+        message = str(info.value)
+        assert "3 of 3 shards" in message and "not cached" in message
+        assert "transform" not in message.split("(")[1].split(")")[0]  # there is none
+        for fix in ("shard_sizes=", "gluon-stream generate", "FileSource"):
+            assert fix in message
+        assert sum(1 for _ in loader) == 4
+        assert len(loader) == 4  # sizes seen in a pass are reused: the data cannot change
+
+
+def test_len_of_a_command_source_reads_cached_headers_and_explains_epoch(tmp_path):
+    script = tmp_path / "gen.py"
+    script.write_text("import sys, numpy as np\nnp.save(sys.argv[1], np.zeros((6, 2)))\n")
+    cmd = [sys.executable, str(script), "{path}"]
+    with gs.StreamLoader(gs.CommandSource(["a", "b"], cmd, cache_dir=tmp_path / "c"),
+                         batch_size=4) as loader:
+        with pytest.raises(TypeError, match="not in the cache yet"):
+            len(loader)
+        list(loader)
+    with gs.StreamLoader(gs.CommandSource(["a", "b"], cmd, cache_dir=tmp_path / "c"),
+                         batch_size=4) as loader:
+        assert len(loader) == 3  # a new loader: from the cached files' headers, no generation
+    per_epoch = gs.CommandSource(["a"], cmd + ["{epoch}"], cache_dir=tmp_path / "e")
+    with gs.StreamLoader(per_epoch, batch_size=4) as loader:
+        with pytest.raises(TypeError, match=r"\{epoch\}, so every epoch has new shards"):
+            len(loader)
+
+
+# -- bool arrays ----------------------------------------------------------------------------
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("last_batch", ["keep", "rollover"])
+def test_bool_masks_cross_shard_boundaries_and_roll_over(path, last_batch):
+    def fn(key):
+        ids = np.arange(5) + 1000 * key
+        return ids, ids % 3 == 0
+
+    src = gs.FunctionSource(range(3), fn)
+    with gs.StreamLoader(src, batch_size=4, last_batch=last_batch, **PATHS[path]) as loader:
+        batches = []
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            batches += [(b[0].asnumpy(), b[1].asnumpy()) for b in loader]
+    for ids, mask in batches:
+        assert mask.dtype == np.bool_
+        np.testing.assert_array_equal(mask, ids % 3 == 0)  # every batch, joined ones too
+
+
+# -- an epoch with no samples ---------------------------------------------------------------
+@pytest.mark.parametrize("case, kwargs, reason", [
+    ("no keys", dict(keys=[]), "it has no keys"),
+    ("empty shards", dict(sizes=[0, 0]), "hold no samples"),
+    ("too few", dict(sizes=[1, 2], last_batch="discard"), "3 samples are fewer than batch_size=4"),
+    ("all skipped", dict(sizes=[5, 5], fail=True, on_error="skip"), "all 2 shards were skipped"),
+])
+def test_an_epoch_without_samples_warns_once_saying_why(case, kwargs, reason, caplog):
+    sizes = kwargs.pop("sizes", [3])
+    keys = kwargs.pop("keys", range(len(sizes)))
+    fail = kwargs.pop("fail", False)
+
+    def fn(key):
+        if fail:
+            raise RuntimeError("no data")
+        return id_shards(sizes)(key)
+
+    with caplog.at_level("WARNING", logger="gluon_stream"):
+        with gs.StreamLoader(gs.FunctionSource(keys, fn), batch_size=4, **kwargs) as loader:
+            assert list(loader) == []
+    empty = [r for r in caplog.records if "delivered no samples" in r.getMessage()]
+    assert len(empty) == 1 and reason in empty[0].getMessage(), caplog.text
+
+
+# -- fork and interpreter exit --------------------------------------------------------------
+def test_a_loader_used_in_a_forked_child_raises_instead_of_hanging():
+    with make_loader([8, 8]) as loader:
+        assert batch_ids(next(iter(loader))) == [0, 1, 2, 3]
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: its copy of the loader has none of the parent's threads
+            code = 3
+            try:
+                iter(loader)
+            except gs.LoaderClosed as exc:
+                code = 0 if "is a fork of it" in str(exc) else 4
+            os.write(write, b"x")
+            os._exit(code)
+        os.close(write)
+        os.read(read, 1)
+        os.close(read)
+        _, status = os.waitpid(pid, 0)
+        assert os.WEXITSTATUS(status) == 0
+        assert sorted(i for b in loader for i in batch_ids(b)) == all_ids([8, 8])  # parent: fine
+
+
+EXIT_SCRIPT = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+import gluon_stream as gs
+from fake_generator import command, read_lines
+src = gs.CommandSource(["k0", "k1", "k2"], command("ok", workdir={work!r}, modes={{"k1": "hang",
+                       "k2": "hang"}}), cache_dir={cache!r}, timeout=60, retries=0)
+loader = gs.StreamLoader(src, batch_size=4, prefetch=2, producers=2)
+it = iter(loader)
+next(it)  # k0 is in; k1 and k2 are being generated (they would run 60 s)
+deadline = time.monotonic() + 20
+while not {{"k1", "k2"}} <= set(read_lines(os.path.join({work!r}, "started"))):
+    assert time.monotonic() < deadline, "the generators never started"
+    time.sleep(0.01)
+print("started", flush=True)
+raise SystemExit(0)  # no close(), no with: a script that stops (or crashes) here
+"""
+
+
+@pytest.mark.timeout(60)
+def test_an_unclosed_loader_does_not_hold_up_the_interpreters_exit(tmp_path):
+    from fake_generator import read_lines
+
+    code = EXIT_SCRIPT.format(tests=os.path.dirname(__file__), work=str(tmp_path),
+                              cache=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=30)  # the hanging generators would hold it 60 s
+    assert proc.returncode == 0 and "started" in proc.stdout, proc.stderr
+    pids = [int(p) for p in read_lines(tmp_path / "pids")]
+    assert len(pids) == 3
+    for pid in pids:  # the generators were killed on the way out, not left running
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert not [f for f in os.listdir(tmp_path / "cache") if f.startswith(".")]

@@ -94,3 +94,59 @@ def test_resume_example_continues_where_the_checkpoint_stopped(tmp_path, capsys)
     out = capsys.readouterr().out
     assert "resumed at epoch 0, batch 7" in out
     assert f"trained {total - 7} batches" in out
+
+
+def test_a_state_taken_after_loading_and_before_the_first_batch_is_the_loaded_one():
+    """A second preemption while the first shard is still being made must not replay."""
+    with make() as first:
+        run(first, stop_after=5)
+        saved = first.state_dict()
+    assert (saved["shard"], saved["offset"]) != (0, 0)
+    with make() as second:
+        second.load_state_dict(saved)
+        assert second.state_dict() == saved  # before iterating
+        it = iter(second)
+        assert second.state_dict() == saved  # iterating, before the first batch
+        del it
+    with make() as third:  # and the re-saved state resumes exactly
+        third.load_state_dict(saved)
+        again = third.state_dict()
+    with make() as reference:
+        full = run(reference)
+    with make() as fourth:
+        fourth.load_state_dict(again)
+        assert run(fourth, start_epoch=saved["epoch"]) == full[5:]
+
+
+def test_a_changed_key_list_is_refused_instead_of_repeating_samples():
+    with make() as loader:
+        run(loader, stop_after=7)
+        state = loader.state_dict()
+    assert state["keys"]["count"] == state["shard"] + 1
+    # one key renamed: the epoch order of the others is kept, but the digest of every prefix
+    # that reaches it differs (and the shuffled order moves, so the prefix does reach it)
+    changed = gs.FunctionSource(lambda epoch: [10 * epoch + i for i in (1, 2, 3, 4, 5, 6)], fn)
+    with gs.StreamLoader(changed, batch_size=4, shuffle=True, seed=7) as other:
+        with pytest.raises(ValueError, match=r"keys of epoch 0 changed since the state was saved"):
+            other.load_state_dict(state)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("shard", -1, r"'shard' must be an integer >= 0"),
+    ("offset", "5", r"'offset' must be an integer >= 0"),
+    ("batches", -7, r"'batches' must be an integer >= 0"),
+    ("epoch", True, r"'epoch' must be an integer >= 0"),
+    ("carry", [{"epoch": 0, "index": 0, "key": 3, "start": 4, "end": 2}], r"carry\[0\].*no samples"),
+    ("carry", [{"epoch": 9, "index": 0, "key": 3, "start": 0, "end": 2}], r"after the state's epoch"),
+    ("carry", [{"epoch": 0, "index": 0, "key": 3, "start": 0, "end": 9}], r"a batch or more"),
+    ("carry", "nowhere", r"'carry' must be a list"),
+    ("version", 1, r"'version' is 1"),
+])
+def test_every_field_of_a_state_is_checked(field, value, match):
+    with make() as loader:
+        run(loader, stop_after=3)
+        state = dict(loader.state_dict())
+    state[field] = value
+    with make() as other:
+        with pytest.raises(ValueError, match=match):
+            other.load_state_dict(state)

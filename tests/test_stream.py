@@ -41,3 +41,37 @@ def test_shard_stream_skip_yields_only_the_good_shards():
     assert skipped == [(1, "ShardError: shard 1: fn(1) raised OSError: no data for 1"),
                        (3, "ShardError: shard 3: fn(3) raised OSError: no data for 3")]
     assert shards == [(0, 0), (2, 2), (4, 4)]
+
+
+def test_an_endless_key_iterator_that_fails_delivers_the_shards_drawn_before_it():
+    def keys():
+        yield from range(3)
+        raise ConnectionError("the key service went away")
+
+    with gs.ShardStream(gs.FunctionSource(keys(), id_shards([5, 6, 7])), prefetch=2) as stream:
+        got = []
+        with pytest.raises(ConnectionError, match="went away") as info:
+            for shard in stream:
+                got.append((shard.key, len(shard)))
+    assert got == [(0, 5), (1, 6), (2, 7)]
+    assert any("after 3 key(s)" in note for note in info.value.__notes__)
+
+
+def test_with_num_epochs_the_last_epoch_does_not_produce_the_next_one_ahead():
+    def keys(epoch):
+        return [10 * epoch, 10 * epoch + 1]
+
+    src = gs.FunctionSource(keys, lambda key: np.zeros(4))
+    with gs.ShardStream(src, prefetch=2, num_epochs=2) as stream:
+        stream.set_epoch(0)
+        assert len(list(stream)) == 2
+        assert stream._next_run.epoch == 1  # epoch 1 was started ahead ...
+        stream.set_epoch(1)
+        assert len(list(stream)) == 2
+        assert stream._next_run is None  # ... epoch 2 never: nobody will train on it
+    with gs.ShardStream(gs.FunctionSource(keys, lambda key: np.zeros(4)), prefetch=2) as stream:
+        stream.set_epoch(1)
+        list(stream)
+        assert stream._next_run.epoch == 2  # without num_epochs it is
+    with pytest.raises(ValueError, match="num_epochs must be a positive integer"):
+        gs.ShardStream(gs.FunctionSource(keys, lambda key: np.zeros(4)), num_epochs=0)

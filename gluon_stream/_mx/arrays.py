@@ -43,11 +43,14 @@ def concat(parts: Sequence[Any]) -> Any:
     """Join NDArrays along the sample axis, in the first part's context.
 
     ``nd.concat`` of ``cpu_pinned`` inputs returns a ``cpu`` array: pinned batches stay pinned.
+    Bool arrays (masks, labels) go through uint8: MXNet's concat has no bool kernel.
     """
     if len(parts) == 1:
         return parts[0]
-    nd = require_mxnet().nd
     first = parts[0]
+    if first.dtype == np.bool_:  # MXNet's concat has no bool kernel ("Unknown type enum 7")
+        return concat([p.astype(np.uint8) for p in parts]).astype(np.bool_)
+    nd = require_mxnet().nd
     rows = sum(int(p.shape[0]) for p in parts)
     out = nd.empty((rows,) + tuple(first.shape[1:]), ctx=first.context, dtype=first.dtype)
     return nd.concat(*parts, dim=0, out=out)
