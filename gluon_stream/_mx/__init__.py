@@ -3,28 +3,49 @@
 MXNet is imported on first use (:func:`require_mxnet`), not when ``gluon_stream`` is imported,
 so the parts that need no MXNet (sources, shard files, stats, ``gluon-stream inspect``) work
 and start fast where MXNet is missing or broken. MXNet 1.9.1 needs ``numpy<1.24`` (it uses
-``np.bool``); where it cannot be imported, whatever needs it raises an ImportError that says
-which extra to install.
+``np.bool``), or on Python 3.12 numpy 1.26 with those aliases restored (see :func:`_load`) and
+setuptools (for ``distutils``); where it cannot be imported, whatever needs it raises an
+ImportError that says which extra to install.
 """
 from __future__ import annotations
 
+import builtins
 import threading
+import warnings
 from typing import Any
 
 __all__ = ["INSTALL_HINT", "data_iter_base", "mxnet_available", "require_mxnet"]
 
-INSTALL_HINT = ("gluon_stream needs MXNet 1.9.1 with numpy<1.24: pip install 'gluon_stream[cpu]' "
-                "(or 'gluon_stream[cu112]' for CUDA 11.2; never both)")
+INSTALL_HINT = ("gluon_stream needs MXNet 1.9.1 with numpy<1.24 (Python 3.12: numpy 1.26 and "
+                "setuptools): pip install 'gluon_stream[cpu]' (or 'gluon_stream[cu112]' for "
+                "CUDA 11.2; never both)")
 
+_NUMPY_ALIASES = {name: getattr(builtins, name)
+                  for name in ("bool", "int", "float", "complex", "object", "str")}
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
 
 def _load() -> Any:
-    """Import MXNet once; remember the module or the error."""
+    """Import MXNet once; remember the module or the error.
+
+    MXNet 1.9.1 still uses ``np.bool``, ``np.int``, ``np.float``, ``np.complex``,
+    ``np.object`` and ``np.str``, aliases numpy 1.24 removed; on Python 3.12 only numpy 1.26
+    has wheels. So before ``import mxnet`` each alias that is missing is set to the builtin it
+    stood for (numpy <= 1.23 keeps its own, deprecated ones). This changes numpy's namespace
+    for the whole process, as the pre-1.24 aliases did: code that tests ``hasattr(np, "bool")``
+    sees them.
+    """
     with _lock:
         if "mx" not in _state:
             try:
+                import numpy
+
+                with warnings.catch_warnings():  # numpy warns when asked for the aliases
+                    warnings.simplefilter("ignore", (DeprecationWarning, FutureWarning))
+                    for name, builtin in _NUMPY_ALIASES.items():
+                        if not hasattr(numpy, name):
+                            setattr(numpy, name, builtin)
                 import mxnet
                 import mxnet.gluon.data.dataloader  # noqa: F401  (registers NDArray pickling)
             except (ImportError, AttributeError, OSError) as exc:  # AttributeError: numpy>=1.24
