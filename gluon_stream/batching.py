@@ -1,7 +1,8 @@
 """Which samples form which batch: the loader's promise, written once, in pure Python.
 
-An epoch is a sequence of *units* (the shards, in the order the stream delivers them), each
-read front to back. :class:`BatchPlanner` cuts them into batches of ``batch_size``: the
+An epoch is a sequence of *units*, each read front to back: the shards in the order the stream
+delivers them or, with a shuffle window, units that each mix the samples of up to k
+consecutive shards (:class:`WindowMixer`). :class:`BatchPlanner` cuts them into batches of ``batch_size``: the
 samples left over at the end of a unit open the next unit's first batch, so every batch is full
 except possibly the last of the epoch, which ``last_batch`` decides (``'keep'`` yields it,
 ``'discard'`` drops it, ``'rollover'`` carries it into the next epoch's first batch).
@@ -24,9 +25,14 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
-__all__ = ["LAST_BATCH_MODES", "Batch", "BatchPlanner", "Position", "Segment", "UnitPlan"]
+import numpy as np
+
+from ._random import seeded_rng
+
+__all__ = ["LAST_BATCH_MODES", "Batch", "BatchPlanner", "MixedUnit", "Position", "Segment",
+           "UnitPlan", "WindowMixer", "runs"]
 
 LAST_BATCH_MODES = ("keep", "discard", "rollover")
 
@@ -213,3 +219,117 @@ class BatchPlanner:
     def next_epoch(self) -> Position:
         """Where the next epoch starts once this one is finished (the rollover, if any)."""
         return Position(self.epoch + 1, 0, 0, tuple(self._carry))
+
+
+# -- mixing shards: the samples of k consecutive shards in one shuffled unit ------------------------
+@dataclass(frozen=True)
+class MixedUnit:
+    """One unit of a shuffle window: which shard and row each of its samples comes from.
+
+    ``shards[i]`` and ``rows[i]`` are the shard (its position in the epoch) and the row (in
+    that shard's own shuffled order) of the unit's ``i``-th sample; ``done`` lists the shards
+    no later unit reads.
+    """
+
+    index: int
+    shards: np.ndarray
+    rows: np.ndarray
+    done: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+
+class WindowMixer:
+    """Mixes the samples of ``window`` consecutive shards, deterministically from (seed, epoch).
+
+    A sliding window: shard ``j``'s samples (in its own shuffled order) are dealt into
+    ``window`` slices, and unit ``t`` holds slice ``t - j`` of each shard ``j`` in
+    ``t - window + 1 .. t``, shuffled together. So every unit (and every batch) mixes up to
+    ``window`` shards, a shard is spread over ``window`` consecutive units, and unit ``t`` can
+    be built as soon as shard ``t`` is in: no waiting for a whole window. The epoch has
+    ``shards + window - 1`` units; the first and last ``window - 1`` mix fewer shards.
+
+    Shards are added in increasing position; a position that is skipped (a shard that failed)
+    counts as an empty shard. Resuming at unit ``t`` starts the mixer there: it needs shards
+    from ``t - window + 1`` on (:meth:`first_shard`).
+
+    Example:
+        >>> mixer = WindowMixer(2, seed=0, epoch=0)
+        >>> [len(u) for u in mixer.add(0, 4)], [len(u) for u in mixer.add(1, 4)]
+        ([2], [4])
+        >>> [len(u) for u in mixer.finish()]
+        [2]
+    """
+
+    SALT = 0x317D
+
+    def __init__(self, window: int, seed: int, epoch: int, first_unit: int = 0) -> None:
+        if window < 1:
+            raise ValueError(f"shuffle_window must be a positive integer, got {window!r}")
+        self.window, self.seed, self.epoch = window, seed, epoch
+        self.first_unit = first_unit
+        self._next = self.first_shard(first_unit, window)
+        self._lengths: dict[int, int] = {}
+
+    @staticmethod
+    def first_shard(unit: int, window: int) -> int:
+        """The first shard a mixer resumed at ``unit`` needs."""
+        return max(0, unit - window + 1)
+
+    def add(self, shard: int, length: int) -> list[MixedUnit]:
+        """Shard ``shard`` holds ``length`` samples: the units it completes (positions skipped
+        since the last shard count as empty shards)."""
+        if shard < self._next:
+            raise ValueError(f"shard {shard} added after shard {self._next - 1}: shards must "
+                             "come in increasing order")
+        units = []
+        while self._next <= shard:
+            j = self._next
+            self._lengths[j] = length if j == shard else 0
+            self._next += 1
+            if j >= self.first_unit:
+                units.append(self._unit(j))
+        return units
+
+    def finish(self) -> list[MixedUnit]:
+        """The units after the epoch's last shard (they hold the rest of its last shards)."""
+        end = self._next + self.window - 1
+        units = [self._unit(t) for t in range(max(self._next, self.first_unit), end)]
+        self._next = end
+        return units
+
+    def _slice(self, shard: int, part: int) -> tuple[int, int]:
+        q, r = divmod(self._lengths.get(shard, 0), self.window)
+        start = part * q + min(part, r)
+        return start, start + q + (1 if part < r else 0)
+
+    def _unit(self, t: int) -> MixedUnit:
+        k = self.window
+        shards, rows = [], []
+        for j in range(max(0, t - k + 1), t + 1):
+            if j not in self._lengths:
+                continue
+            start, stop = self._slice(j, t - j)
+            shards.append(np.full(stop - start, j, dtype=np.int64))
+            rows.append(np.arange(start, stop, dtype=np.int64))
+        shard_of = np.concatenate(shards) if shards else np.zeros(0, np.int64)
+        row_of = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+        if len(shard_of) > 1:
+            order = seeded_rng(self.seed, self.epoch, t, self.SALT).permutation(len(shard_of))
+            shard_of, row_of = shard_of[order], row_of[order]
+        done = t - k + 1
+        if done >= 0:
+            self._lengths.pop(done, None)
+        return MixedUnit(t, shard_of, row_of, (done,) if done >= 0 else ())
+
+
+def runs(shards: Sequence[int], rows: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """``(shard, [rows...])`` for each run of consecutive samples from the same shard."""
+    out: list[tuple[int, list[int]]] = []
+    for shard, row in zip(shards, rows):
+        if out and out[-1][0] == shard:
+            out[-1][1].append(int(row))
+        else:
+            out.append((int(shard), [int(row)]))
+    return out

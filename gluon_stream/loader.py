@@ -16,271 +16,33 @@ a resume starts) and one of two ways to turn planned batches into data, chosen a
 """
 from __future__ import annotations
 
-import collections
-import itertools
 import logging
 import weakref
 from concurrent.futures import Executor
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-import numpy as np
-
 from . import _validate
 from ._closing import Closing
+from ._fsspec import is_url
 from ._lifecycle import check_owner, track
 from ._mx import arrays as mx_arrays
 from ._mx import require_mxnet
-from ._mx import shm as mx_shm
 from ._mx import workers as mx_workers
 from ._mx.samples import SAMPLE_FORMATS
-from .batching import LAST_BATCH_MODES, Batch, BatchPlanner, Position, Segment, UnitPlan
-from .errors import LoaderClosed
+from .batching import LAST_BATCH_MODES, BatchPlanner, Position, Segment, WindowMixer
+from .distributed import resolve_parts
+from .errors import LoaderClosed, StreamError
+from .feed import Carry, Mixed, UnitFeed, WindowFeed
+from .paths import SamplePath, SlicePath
 from .progress import ProgressBar
 from .sources import CachingSource, FileSource, Source
 from .state import decode_state, encode_state
-from .stats import EpochRecord, Stats
-from .stream import EpochRun, Shard, ShardStream
+from .stats import Stats
+from .stream import EpochRun, ShardStream
 
 __all__ = ["StreamLoader"]
 
 logger = logging.getLogger(__name__)
-
-class _Carry:
-    """The data of the samples the planner carries, in the planner's segment order.
-
-    Chunks are tuples of arrays (copies of the carried rows: NDArrays on the vectorised path,
-    numpy arrays on the per-sample path), so a small leftover never keeps its shard alive.
-    """
-
-    def __init__(self) -> None:
-        self.chunks: list[tuple] = []
-        self.segments: list[Segment] = []
-
-    def add(self, segment: Segment, chunk: tuple) -> None:
-        self.segments.append(segment)
-        self.chunks.append(chunk)
-
-    def take_all(self) -> list[tuple]:
-        chunks, self.chunks, self.segments = self.chunks, [], []
-        return chunks
-
-    def __len__(self) -> int:
-        return sum(s.size for s in self.segments)
-
-
-class _UnitFeed:
-    """An epoch's shards in order, each with its batch plan (the one place both paths get them).
-
-    :meth:`next` returns ``(shard, plan)`` until the epoch ends, then None; :attr:`final` is
-    then the epoch's short tail (or the samples carried before a failing shard), and
-    :attr:`failure` the error to raise after it. :meth:`done` cuts a finished unit's leftover
-    rows into the carry.
-    """
-
-    def __init__(self, run: EpochRun, planner: BatchPlanner, carry: _Carry, path: Any,
-                 record: EpochRecord) -> None:
-        self.run, self.planner, self.carry, self.path, self.record = (run, planner, carry,
-                                                                      path, record)
-        self.final: Batch | None = None
-        self.failure: BaseException | None = None
-        self.shard_wait_s = 0.0  # time spent waiting for shards to be produced, in total
-        self.samples = 0  # samples of the shards handed out
-        self._ended = False
-
-    def ready(self) -> bool:
-        """Whether :meth:`next` would return without waiting for a shard to be produced."""
-        return self._ended or self.run.ready()
-
-    def next(self) -> tuple[Shard, UnitPlan] | None:
-        if self._ended:
-            return None
-        try:
-            shard = self.run.next_shard()
-        except LoaderClosed:
-            raise
-        except Exception as exc:  # deliver what earlier shards left over first, then raise
-            self._ended, self.failure = True, exc
-            self.final = self.planner.flush(self.run.index)
-            return None
-        finally:
-            self.shard_wait_s += self.run.last_wait_s
-        if shard is None:
-            self._ended = True
-            self.final = self.planner.finish()
-            return None
-        self.record.peak_prefetch = max(self.record.peak_prefetch, self.run.ready_ahead() + 1)
-        self.samples += len(shard)
-        return shard, self.planner.add(shard.index, len(shard), key=shard.key)
-
-    def done(self, shard: Shard, plan: UnitPlan) -> None:
-        for seg in plan.leftover:
-            self.carry.add(seg, self.path.cut(shard, seg))
-
-
-class _SlicePath:
-    """Batches as slices of a shard's NDArrays (copied and shuffled by the producer thread)."""
-
-    def __init__(self, ctx: Any) -> None:
-        self.ctx = ctx
-        self.prepare = self._to_ndarrays  # one bound method: the stream compares it by identity
-
-    def _to_ndarrays(self, arrays: tuple, order: np.ndarray | None) -> tuple:
-        """Producer-side: the shard's rows in ``order`` as NDArrays (one copy, off the loop's path)."""
-        if not len(arrays[0]):
-            return arrays
-        return tuple(mx_arrays.to_ndarray(a, self.ctx, order) for a in arrays)
-
-    def cut(self, shard: Shard, segment: Segment) -> tuple:
-        """Carried rows as a copy: a small leftover must not keep the whole shard alive."""
-        return tuple(a[segment.start:segment.stop].copy() for a in shard.arrays)
-
-    def batches(self, feed: _UnitFeed, carry: _Carry) -> Iterator[tuple[Batch, Any]]:
-        while (unit := feed.next()) is not None:
-            shard, plan = unit
-            arrays = shard.arrays
-            for batch in plan.batches():  # only the joined batch opens with carried samples
-                parts = carry.take_all() if batch is plan.joined else []
-                own = batch.segments[-1]
-                parts.append(tuple(a[own.start:own.stop] for a in arrays))
-                yield batch, _as_batch(_join(parts))
-            feed.done(shard, plan)
-            del shard, arrays, unit
-        if feed.final is not None:
-            yield feed.final, _as_batch(_join(carry.take_all()))
-        if feed.failure is not None:
-            raise feed.failure
-
-    def cancel(self) -> None:
-        """Nothing in flight."""
-
-    def close(self) -> None:
-        """Nothing owned."""
-
-
-class _SamplePath:
-    """Per-sample work (``sample_transform``/``batchify_fn``) on workers, ahead of the loop.
-
-    Batches are submitted to the workers (see :mod:`gluon_stream._mx.workers`) as soon as their
-    shard is in, up to the workers' depth ahead, also across shard boundaries, so rotating to
-    the next shard does not drain the pool.
-    """
-
-    def __init__(self, loader: "StreamLoader") -> None:
-        maker_args = {"sample_transform": loader.sample_transform,
-                      "batchify_fn": loader.batchify_fn, "sample_format": loader.sample_format}
-        self.workers = mx_workers.make_workers(loader.num_workers, bool(loader.thread_pool),
-                                               maker_args, loader.stream.error_policy.retries)
-        self.timeout = loader.timeout
-        self.pin = (mx_arrays.batch_context(True, loader.pin_device_id)
-                    if loader.pin_memory else None)
-        self.prepare = self._to_shared if self.workers.uses_shared_memory else None
-        self._ids = itertools.count()
-
-    @staticmethod
-    def _to_shared(arrays: tuple, order: np.ndarray | None) -> tuple:
-        """Producer-side: the shard's rows in ``order``, copied into shared memory once."""
-        return mx_shm.SharedArrays.copy_of(arrays, order)
-
-    def cut(self, shard: Shard, segment: Segment) -> tuple:
-        arrays = shard.arrays
-        if isinstance(arrays, mx_shm.SharedArrays):  # in shared memory, not mapped here
-            return arrays.rows(segment.start, segment.stop)
-        return tuple(np.array(a[segment.start:segment.stop]) for a in arrays)
-
-    def batches(self, feed: _UnitFeed, carry: _Carry) -> Iterator[tuple[Batch, Any]]:
-        workers = self.workers
-        window: collections.deque = collections.deque()  # (batch, task id, what, sources)
-        live: dict[int, int] = {}  # source id -> batches in flight that read it
-        unit, unit_sid = None, -1
-        planned: Iterator[Batch] = iter(())
-        numbers = itertools.count(1)
-        ended = complete = False
-        try:
-            while True:
-                while len(window) < workers.depth and not ended:
-                    batch = next(planned, None)
-                    if batch is None:
-                        if unit is not None:
-                            feed.done(*unit)
-                            self._release(live, unit_sid)
-                            unit = None
-                        if window and not feed.ready():
-                            break  # deliver what is in flight rather than wait for a shard
-                        unit = feed.next()
-                        if unit is None:
-                            ended = True
-                            break
-                        unit_sid = next(self._ids)
-                        workers.attach(unit_sid, unit[0].arrays)
-                        live[unit_sid] = 1  # held until the unit is done
-                        planned, numbers = unit[1].batches(), itertools.count(1)
-                        continue
-                    shard, plan = unit
-                    refs, sids = self._refs(batch, plan, unit_sid, carry)
-                    what = f"batch {next(numbers)} of {len(plan)} of shard {shard.key!r}"
-                    window.append(self._submit(batch, refs, sids, what, shard.key, live))
-                if not window:
-                    break
-                yield self._take(window.popleft(), live)
-            if feed.final is not None:
-                refs, sids = self._carry_refs(carry)
-                item = self._submit(feed.final, refs, sids, "the epoch's last batch", None, live)
-                yield self._take(item, live)
-            complete = True
-            if feed.failure is not None:
-                raise feed.failure
-        finally:
-            if not complete:  # cut short: forget the batches in flight
-                workers.cancel_all()
-
-    def _refs(self, batch: Batch, plan: UnitPlan, unit_sid: int, carry: _Carry
-              ) -> tuple[list, list[int]]:
-        own = batch.segments[-1]
-        refs, sids = [], [unit_sid]
-        if batch is plan.joined:
-            refs, sids = self._carry_refs(carry)
-            sids.append(unit_sid)
-        refs.append((unit_sid, range(own.start, own.stop)))
-        return refs, sids
-
-    def _carry_refs(self, carry: _Carry) -> tuple[list, list[int]]:
-        chunks = carry.take_all()
-        if not chunks:
-            return [], []
-        sid = next(self._ids)
-        arrays = tuple(np.concatenate(parts) for parts in zip(*chunks))
-        self.workers.attach(sid, arrays)
-        return [(sid, range(len(arrays[0])))], [sid]
-
-    def _submit(self, batch: Batch, refs: list, sids: list[int], what: str, key: Any,
-                live: dict[int, int]) -> tuple:
-        tid = next(self._ids)
-        for sid in sids:
-            live[sid] = live.get(sid, 0) + 1
-        self.workers.submit(tid, refs, what, key)
-        return batch, tid, what, sids
-
-    def _take(self, item: tuple, live: dict[int, int]) -> tuple[Batch, Any]:
-        batch, tid, what, sids = item
-        data = self.workers.result(tid, self.timeout, what)
-        for sid in sids:
-            self._release(live, sid)
-        if self.pin is not None:
-            data = mx_arrays.as_in_context(data, self.pin)
-        return batch, data
-
-    def _release(self, live: dict[int, int], sid: int) -> None:
-        live[sid] -= 1
-        if not live[sid]:
-            del live[sid]
-            self.workers.detach(sid)
-
-    def cancel(self) -> None:
-        self.workers.cancel_all()
-
-    def close(self) -> None:
-        self.workers.close()
-
 
 class _LoaderResources:
     """What a StreamLoader owns: its stream (if it built it) and its batch path's workers."""
@@ -314,6 +76,11 @@ class StreamLoader(Closing):
             :mod:`gluon_stream._mx.samples`).
         shuffle: Shuffle shard order and samples within shards, from ``(seed, epoch)``
             (default False).
+        shuffle_window: With ``shuffle=True``, mix the samples of this many consecutive shards
+            (default 1: each batch holds samples of one shard, except at boundaries). A sliding
+            window (see :class:`~gluon_stream.batching.WindowMixer`): every batch mixes up to
+            this many shards, batches start as soon as the first shard is in, and at most
+            ``max(prefetch, shuffle_window) + 1`` shards are held.
         seed: Shuffle seed (None: drawn once, logged).
         last_batch: ``'keep'`` (default, as Gluon), ``'discard'`` or ``'rollover'``; applies at
             the end of the epoch only, leftovers always cross shard boundaries.
@@ -332,9 +99,12 @@ class StreamLoader(Closing):
         num_parts, part_index: This rank's part of every epoch's shards (MXNet's names);
             ``'auto'`` reads them from ``kvstore``, Horovod or the launcher's environment.
         kvstore: An MXNet kvstore to read the rank from with ``'auto'``.
-        even_batches: Every part yields the same number of full batches per epoch (the
-            smallest part's count; the few samples beyond it wait for another epoch, dealt
-            differently), so synchronous training never waits on a rank that ran out.
+        even_batches: Every part yields the same number of batches per epoch, so synchronous
+            training never waits on a rank that ran out. With every shard's size known ahead
+            (``shard_sizes=``, ``FileSource`` headers) the shards are dealt to the parts and each
+            yields the smallest part's count of full batches; otherwise every rank produces every
+            shard and takes its stride of each one's samples (``deal='samples'`` on the stream:
+            equal counts with no size known; pair it with a shared ``cache_dir``).
         shard_sizes: Samples per shard after ``transform``, when headers cannot tell (for
             ``len()`` and ``even_batches``): ``{key: samples}``, ``fn(key)``, or one int for
             every shard.
@@ -353,7 +123,8 @@ class StreamLoader(Closing):
     def __init__(self, source: Source | ShardStream, batch_size: int, *,
                  transform: Callable[[Any], Any] | None = _validate.UNSET,
                  sample_transform: Callable[..., Any] | None = None,
-                 sample_format: str = "auto", shuffle: bool = _validate.UNSET, seed: int | None = _validate.UNSET,
+                 sample_format: str = "auto", shuffle: bool = _validate.UNSET,
+                 shuffle_window: int = 1, seed: int | None = _validate.UNSET,
                  last_batch: str = "keep", num_workers: int = 0,
                  thread_pool: bool = False,
                  batchify_fn: Callable[[list], Any] | None = None, pin_memory: bool = False,
@@ -389,7 +160,24 @@ class StreamLoader(Closing):
                                  "ShardStream: set them on the ShardStream instead")
             stream, owns = source, False
         else:
+            if even_batches and not _sizes_declared(source, given):
+                parts, index = resolve_parts(given.get("num_parts", 1), given.get("part_index", 0),
+                                             kvstore=given.get("kvstore"))
+                if parts > 1:  # equal counts without sizes: every rank takes its stride
+                    given.update(num_parts=parts, part_index=index, deal="samples")
+                    logger.info("even_batches=True with shard sizes unknown: every rank produces "
+                                "every shard and takes its stride of the samples (deal='samples')")
             stream, owns = ShardStream(source, **given), True
+        self.shuffle_window = _validate.integer("shuffle_window", shuffle_window, minimum=1)
+        if self.shuffle_window > 1 and not stream.shuffle:
+            raise ValueError(f"shuffle_window={shuffle_window} mixes the samples of several "
+                             "shards for shuffle=True; pass shuffle=True (and a seed)")
+        if even_batches and stream.deal == "samples" and stream.on_error == "skip":
+            raise ValueError(
+                "even_batches=True with on_error='skip' cannot keep every rank's batch count "
+                "equal when shard sizes are unknown: a shard that fails on one rank only leaves "
+                "that rank short, and synchronous training hangs. Pass shard_sizes= (a rank short "
+                "of samples then repeats its last batch), or on_error='raise' or ('retry', n)")
         self.even_batches = bool(even_batches)
         self.thread_pool = thread_pool
         self.batchify_fn = batchify_fn
@@ -399,17 +187,23 @@ class StreamLoader(Closing):
         self.stream = stream
         self.progress = progress
         self.vectorised = batchify_fn is None and sample_transform is None
-        self._rollover = _Carry()  # the data of the samples an epoch rolled over
+        self._rollover = Carry()  # the data of the samples an epoch rolled over
         self._position: Position | None = None  # where the epoch in progress stands
         self._delivered = 0  # batches delivered in the epoch in progress
         self._resume: tuple[Position, int] | None = None  # set by load_state_dict
         if self.vectorised:
-            path: Any = _SlicePath(mx_arrays.batch_context(pin_memory, pin_device_id))
+            path: Any = SlicePath(mx_arrays.batch_context(pin_memory, pin_device_id),
+                                  mixed=self.shuffle_window > 1)
             if num_workers:
                 logger.info("num_workers=%d unused: without batchify_fn/sample_transform, batches "
                             "are slices of a shard prepared in the background", num_workers)
         else:
-            path = _SamplePath(self)
+            workers = mx_workers.make_workers(
+                num_workers, bool(thread_pool),
+                {"sample_transform": sample_transform, "batchify_fn": batchify_fn,
+                 "sample_format": self.sample_format}, stream.error_policy.retries)
+            path = SamplePath(workers, self.timeout,
+                              mx_arrays.batch_context(True, pin_device_id) if pin_memory else None)
         self._path = path
         self._res = _LoaderResources(stream, owns, path)
         self._finalizer = weakref.finalize(self, self._res.close)
@@ -483,8 +277,9 @@ class StreamLoader(Closing):
         else:
             start = Position(self.stream.epoch, 0, 0, tuple(self._rollover.segments))
             carry, delivered = self._rollover, 0
-        self._rollover = _Carry()
-        run = self.stream.start_epoch(skip=start.unit, prepare=self._path.prepare)
+        self._rollover = Carry()
+        run = self.stream.start_epoch(skip=WindowMixer.first_shard(start.unit, self.shuffle_window),
+                                      prepare=self._path.prepare)
         self._position, self._delivered = start, delivered  # until a batch moves it
         return self._epoch(run, start, carry, delivered)
 
@@ -492,7 +287,8 @@ class StreamLoader(Closing):
         """What decides the batches, stored in a state and checked on load."""
         stream = self.stream
         return {"seed": stream.seed, "shuffle": stream.shuffle, "batch_size": self.batch_size,
-                "num_parts": stream.num_parts, "part_index": stream.part_index}
+                "num_parts": stream.num_parts, "part_index": stream.part_index,
+                "deal": stream.deal, "shuffle_window": self.shuffle_window}
 
     def state_dict(self) -> dict:
         """Where the stream stands, as a small JSON-serialisable dict (take it between batches).
@@ -523,21 +319,37 @@ class StreamLoader(Closing):
                                            lambda epoch: self.stream.epoch_keys(epoch)[2])
         self._resume = (position, delivered)
         self._position = None
-        self._rollover = _Carry()
+        self._rollover = Carry()
         self.stream.set_epoch(position.epoch)
 
-    def _rebuild_carry(self, segments: Sequence[Segment]) -> _Carry:
-        """Produce the shards that carried samples came from again, and cut the same rows."""
-        carry = _Carry()
-        key_lists: dict[int, list | None] = {}
+    def _rebuild_carry(self, segments: Sequence[Segment]) -> Carry:
+        """Produce the units that carried samples came from again, and cut the same rows."""
+        carry = Carry()
         for seg in segments:
-            if seg.epoch not in key_lists:
-                key_lists[seg.epoch] = self.stream.epoch_keys(seg.epoch)[2]
-            keys = key_lists[seg.epoch]
-            key = keys[seg.unit] if keys is not None else seg.key
-            shard = self.stream.produce_now(key, seg.epoch, self._path.prepare)
-            carry.add(seg, self._path.cut(shard, seg))
+            carry.add(seg, self._path.cut(self._unit_again(seg), seg))
         return carry
+
+    def _unit_again(self, seg: Segment) -> Any:
+        """Unit ``seg.unit`` of epoch ``seg.epoch``, produced again (for a resumed carry)."""
+        keys = self.stream.epoch_keys(seg.epoch)[2]
+        prepare = self._path.prepare
+        if self.shuffle_window == 1:
+            key = keys[seg.unit] if keys is not None else seg.key
+            return self.stream.produce_now(key, seg.epoch, prepare)
+        if keys is None:
+            raise StreamError("a state that carries samples of a mixed unit of an endless key "
+                              "iterator cannot be resumed: its shards cannot be named again")
+        mixer = WindowMixer(self.shuffle_window, self.stream.seed, seg.epoch, first_unit=seg.unit)
+        shards, units = {}, []
+        for j in range(mixer.first_shard(seg.unit, self.shuffle_window),
+                       min(seg.unit + 1, len(keys))):
+            shards[j] = self.stream.produce_now(keys[j], seg.epoch, prepare)
+            units.extend(mixer.add(j, len(shards[j])))
+        if seg.unit >= len(keys):
+            units.extend(mixer.finish())
+        unit = next(u for u in units if u.index == seg.unit)
+        used = {j: shards[j] for j in set(unit.shards.tolist())}
+        return self._path.mix(Mixed(unit, used, seg.key))
 
     def close(self) -> None:
         """Stop producers, end worker pools, kill generators, remove temp files; idempotent."""
@@ -550,7 +362,7 @@ class StreamLoader(Closing):
             raise LoaderClosed("this StreamLoader is closed; create a new one")
         self.stream.check_open()
 
-    def _epoch(self, run: EpochRun, start: Position, carry: _Carry,
+    def _epoch(self, run: EpochRun, start: Position, carry: Carry,
                delivered: int) -> Iterator[Any]:
         stats = self.stats
         clock = stats.clock
@@ -559,7 +371,14 @@ class StreamLoader(Closing):
         bar = ProgressBar(run.epoch, self._num_batches(run.epoch)) if self.progress else None
         limit = self._even_limit(run.epoch)
         planner = BatchPlanner(self.batch_size, self.last_batch, start)
-        feed = _UnitFeed(run, planner, carry, self._path, record)
+        if self.shuffle_window > 1:
+            mixer = WindowMixer(self.shuffle_window, self.stream.seed, run.epoch,
+                                first_unit=start.unit)
+            budget = max(self.stream.prefetch, self.shuffle_window) + 1
+            feed: UnitFeed = WindowFeed(run, planner, carry, self._path, record, mixer, budget)
+        else:
+            feed = UnitFeed(run, planner, carry, self._path, record)
+        last = None  # the last batch delivered, repeated if skipped shards leave a part short
         self._position, self._delivered = start, delivered
         last_unit, shard_wait = None, 0.0
         run.start()  # producers start on the first shards before anything below can wait
@@ -584,11 +403,15 @@ class StreamLoader(Closing):
                 if bar is not None:
                     record.wall_s = now - t_start
                     bar.update(record, run.ready_ahead())
+                last = batch
                 yield batch
                 waiting_since = clock()
                 stats.add_span("train", "busy", now, waiting_since)
+            if limit is not None and delivered < limit:
+                yield from self._pad_to(limit, delivered, last, run, record)
+                delivered = limit
             record.complete = True
-            self._rollover = carry if self.last_batch == "rollover" else _Carry()
+            self._rollover = carry if self.last_batch == "rollover" else Carry()
             self._position = None
             if not record.samples:
                 logger.warning("epoch %d delivered no samples: %s", run.epoch,
@@ -600,9 +423,29 @@ class StreamLoader(Closing):
             if bar is not None:
                 bar.close(record)
 
+    def _pad_to(self, limit: int, delivered: int, last: Any, run: EpochRun,
+                record: Any) -> Iterator[Any]:
+        """even_batches: skipped shards left this part short of the count every part yields;
+        repeat its last batch, so that synchronous training does not wait for it forever."""
+        missing = limit - delivered
+        if last is None:
+            raise StreamError(
+                f"part {self.stream.part_index} of {self.stream.num_parts} has no batch to give in "
+                f"epoch {run.epoch} ({run.skipped} shard(s) skipped) while the others yield "
+                f"{limit}: synchronous training cannot go on; see the warnings above")
+        logger.warning("epoch %d: %d shard(s) skipped on part %d of %d leave it %d batch(es) "
+                       "short of the %d every part yields (even_batches=True); repeating its "
+                       "last batch %d time(s)", run.epoch, run.skipped, self.stream.part_index,
+                       self.stream.num_parts, missing, limit, missing)
+        for _ in range(missing):
+            record.batches += 1
+            self._delivered += 1
+            yield last
+
     def _even_limit(self, epoch: int) -> int | None:
-        """With even_batches, the batch count every part can deliver this epoch."""
-        if not self.even_batches:
+        """With even_batches, the batch count every part can deliver this epoch (None when the
+        parts hold equal counts by construction, ``deal='samples'``)."""
+        if not self.even_batches or self.stream.deal == "samples":
             return None
         sizes = self.stream.part_sizes(epoch)
         if sizes is None:
@@ -613,7 +456,19 @@ class StreamLoader(Closing):
         return min(sizes) // self.batch_size
 
 
-def _empty_reason(run: EpochRun, feed: _UnitFeed, batch_size: int, last_batch: str) -> str:
+def _sizes_declared(source: Source, given: Mapping[str, Any]) -> bool:
+    """Whether every rank knows every shard's size ahead, the same way: ``shard_sizes=``, or
+    the headers of local files no transform changes (cached files are not: a rank may see a
+    file another has not yet made)."""
+    if given.get("shard_sizes") is not None:
+        return True
+    if not isinstance(source, FileSource) or given.get("transform") is not None:
+        return False
+    keys, finite = source.keys_for_epoch(0)
+    return finite and not any(is_url(k) for k in keys)
+
+
+def _empty_reason(run: EpochRun, feed: UnitFeed, batch_size: int, last_batch: str) -> str:
     """Why an epoch gave no batch, in words (for its one WARNING)."""
     shards = run.index
     if not shards:
@@ -625,14 +480,3 @@ def _empty_reason(run: EpochRun, feed: _UnitFeed, batch_size: int, last_batch: s
                 f"last_batch={last_batch!r} keeps them out of this epoch")
     return (f"its {shards} shard(s) hold no samples (does a transform return 0 rows, e.g. "
             "windows longer than the shard?)")
-
-
-def _join(parts: list) -> tuple:
-    """Arrays of a batch from its parts (tuples of NDArrays), joined along the sample axis."""
-    if len(parts) == 1:
-        return parts[0]
-    return tuple(mx_arrays.concat(list(arrays)) for arrays in zip(*parts))
-
-
-def _as_batch(arrays: tuple) -> Any:
-    return arrays[0] if len(arrays) == 1 else list(arrays)

@@ -29,7 +29,9 @@ def keys_digest(keys: Sequence[Any]) -> str:
 
 
 def _key(key: Any) -> Any:
-    return key if isinstance(key, _JSON_KEY) and not isinstance(key, bool) else str(key)
+    if key is None or (isinstance(key, _JSON_KEY) and not isinstance(key, bool)):
+        return key
+    return str(key)
 
 
 def encode_state(position: Position, delivered: int, settings: Mapping[str, Any],

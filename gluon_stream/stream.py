@@ -20,7 +20,6 @@ import logging
 import threading
 import time
 import weakref
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -29,6 +28,7 @@ import numpy as np
 from . import _validate
 from ._closing import Closing
 from ._lifecycle import check_owner, track
+from ._random import key_hash, seeded_rng
 from ._mx import require_mxnet
 from .distributed import resolve_parts
 from .errors import LoaderClosed, SchemaMismatch, add_note
@@ -41,6 +41,7 @@ __all__ = ["EpochRun", "Prepare", "Shard", "ShardStream"]
 
 logger = logging.getLogger(__name__)
 
+DEAL_MODES = ("shards", "samples")
 WAIT_SLICE_S = 0.5  # how often a waiting consumer re-checks for close()
 CLOSE_WAIT_S = 2.0  # how long close() waits for producer threads to finish their shard
 _END = object()
@@ -73,15 +74,6 @@ class Shard:
 def schema_of(arrays: Sequence[Any]) -> list[tuple[str, tuple]]:
     """(dtype, trailing shape) of each array: what must agree between shards to batch them."""
     return [(np.dtype(a.dtype).str, tuple(a.shape[1:])) for a in arrays]
-
-
-def seeded_rng(*parts: int) -> np.random.Generator:
-    """A generator seeded deterministically from integers (seed, epoch, purpose, ...)."""
-    return np.random.default_rng(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]))
-
-
-def key_hash(key: Any) -> int:
-    return zlib.crc32(str(key).encode("utf-8"))
 
 
 class _Resources:
@@ -140,6 +132,11 @@ class ShardStream(Closing):
             every shard.
         num_epochs: How many epochs will be run, if known: the shards of epoch ``num_epochs``
             are then not produced ahead while the last epoch ends (they would be thrown away).
+        deal: How ``num_parts`` split an epoch. ``'shards'`` (default): each part produces its
+            own share of the shards. ``'samples'``: every part produces every shard and takes its
+            stride of each one's samples (after the shard's shuffle), ``n // num_parts`` apiece,
+            so the parts hold equal counts without knowing any size ahead (dropping fewer than
+            ``num_parts`` samples per shard); pair it with a shared ``cache_dir``.
 
     Example:
         >>> from gluon_stream import FunctionSource
@@ -155,7 +152,7 @@ class ShardStream(Closing):
                  stats: Stats | None = None, num_parts: int | str = 1,
                  part_index: int | str = 0, kvstore: Any = None,
                  shard_sizes: Mapping[Any, int] | Callable[[Any], int] | int | None = None,
-                 num_epochs: int | None = None) -> None:
+                 num_epochs: int | None = None, deal: str = "shards") -> None:
         if not isinstance(source, Source):
             raise TypeError(f"source must be a CommandSource, FunctionSource or FileSource, got "
                             f"{type(source).__name__}")
@@ -174,6 +171,7 @@ class ShardStream(Closing):
         self.producers = producers
         self.shuffle = bool(shuffle)
         self.num_parts, self.part_index = resolve_parts(num_parts, part_index, kvstore=kvstore)
+        self.deal = _validate.choice("deal", deal, DEAL_MODES)
         if seed is None and self.shuffle and self.num_parts > 1:
             raise ValueError("shuffle=True with num_parts > 1 needs an explicit seed, the same on "
                              "every rank, so that the ranks agree on who gets which shard")
@@ -231,7 +229,7 @@ class ShardStream(Closing):
                 return iter(keys), False, None
             return itertools.islice(keys, part, None, self.num_parts), False, None
         keys = list(keys)
-        if self.num_parts > 1 and keys:  # deal shards to parts, differently each epoch
+        if self.num_parts > 1 and keys and self.deal == "shards":  # deal shards to parts
             dealt = seeded_rng(self.seed, epoch, 0xDEA1).permutation(len(keys))
             mine = dealt[part::self.num_parts]
             keys = [keys[i] for i in (mine if self.shuffle else np.sort(mine))]
@@ -240,10 +238,22 @@ class ShardStream(Closing):
             keys = [keys[i] for i in order]
         return iter(keys), True, keys
 
+    def row_order(self, key: Any, epoch: int, length: int) -> np.ndarray | None:
+        """The rows of a shard this part reads, in order (None: all of them, as they are)."""
+        order = None
+        if self.shuffle and length > 1:
+            order = seeded_rng(self.seed, epoch, key_hash(key)).permutation(length)
+        if self.deal == "samples" and self.num_parts > 1:
+            rows = np.arange(length) if order is None else order
+            order = rows[self.part_index::self.num_parts][:length // self.num_parts]
+        return order
+
     def shard_size(self, key: Any, epoch: int) -> int | None:
-        """Samples in a shard after transform, if known without producing it."""
-        n = self._sizes.get((key, epoch), self._sizes.get((key, None)))
-        if n is None and self._shard_sizes is not None:
+        """This part's samples of a shard after transform, if known without producing it."""
+        n = self._sizes.get((key, epoch), self._sizes.get((key, None)))  # seen: this part's
+        if n is not None:
+            return n
+        if self._shard_sizes is not None:
             if isinstance(self._shard_sizes, int):
                 n = self._shard_sizes
             elif callable(self._shard_sizes):
@@ -252,6 +262,8 @@ class ShardStream(Closing):
                 n = self._shard_sizes.get(key)
         if n is None and self.transform is None:
             n = self.source.num_samples(key, epoch)
+        if n is not None and self.deal == "samples":
+            n //= self.num_parts
         return n
 
     def epoch_size(self, epoch: int, part_index: int | None = None) -> int | None:
@@ -347,9 +359,7 @@ class ShardStream(Closing):
                               f"(file {raw.path!r}, epoch {epoch})")
                 raise
             arrays = normalize_arrays(value, what=f"transform output of shard {key!r}")
-        order = None
-        if self.shuffle and len(arrays[0]) > 1:
-            order = seeded_rng(self.seed, epoch, key_hash(key)).permutation(len(arrays[0]))
+        order = self.row_order(key, epoch, len(arrays[0]))
         if run is not None and run.cancelled:
             raise LoaderClosed("epoch pass cancelled")
         if prepare is not None:  # it applies the order while copying (no extra copy)
@@ -396,6 +406,10 @@ class EpochRun:
         index: Position in the epoch of the next shard to be submitted.
         skipped: Shards dropped by ``on_error='skip'`` so far.
         last_wait_s: How long the last :meth:`next_shard` waited for its shard to be produced.
+        max_pending: The most shards in flight at once (queued, being produced, or ready and
+            not yet handed out); None: ``prefetch + 1``. A consumer that keeps several shards
+            it was handed (a shuffle window) lowers it, so that what it holds and what is in
+            flight stay within its budget; at least 1, so production always overlaps.
     """
 
     def __init__(self, stream: ShardStream, epoch: int, skip: int = 0,
@@ -412,12 +426,15 @@ class EpochRun:
         self.exhausted = False
         self.key_error: BaseException | None = None
         self.last_wait_s = 0.0
+        self.max_pending: int | None = None
 
     def _submit(self, key: Any, index: int) -> cf.Future:
         return self.stream._res.executor.submit(self.stream._produce, key, self.epoch, index,
                                                 self, self.prepare)
 
     def _fill(self, depth: int, ahead: bool = True) -> None:
+        if self.max_pending is not None:
+            depth = min(depth, max(1, self.max_pending))
         while len(self.pending) < depth and not self.exhausted:
             try:
                 key = next(self.keys, _END)

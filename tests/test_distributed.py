@@ -55,13 +55,62 @@ def test_even_batches_gives_every_part_the_same_number_of_full_batches(num_parts
         assert len(flat) == len(set(flat))  # truncation drops, never duplicates
 
 
-def test_even_batches_without_sizes_says_what_to_do():
+@pytest.mark.parametrize("num_parts", [2, 3])
+@pytest.mark.parametrize("options", [{}, {"shuffle": True}, {"shuffle": True, "shuffle_window": 3},
+                                     {"sample_transform": lambda ids, half: (ids, half)}])
+def test_even_batches_without_any_size_known(num_parts, options):
+    """On-demand shards (a FunctionSource, no cache): every rank produces every shard and takes
+    its stride of each one's samples: equal counts, disjoint, losing fewer than num_parts
+    samples per shard."""
+    def part(rank, epoch):
+        src = gs.FunctionSource(range(len(SIZES)), id_shards(SIZES))
+        with gs.StreamLoader(src, batch_size=4, num_parts=num_parts, part_index=rank, seed=3,
+                             even_batches=True, **options) as ld:
+            assert ld.stream.deal == "samples"
+            ld.set_epoch(epoch)
+            return [batch_ids(b) for b in ld]
+
+    for epoch in (0, 1):
+        parts = [part(r, epoch) for r in range(num_parts)]
+        assert len({len(p) for p in parts}) == 1  # the same number of batches ...
+        assert len({tuple(len(b) for b in p) for p in parts}) == 1  # ... of the same sizes
+        flat = [i for p in parts for b in p for i in b]
+        assert len(flat) == len(set(flat))  # disjoint
+        assert len(flat) >= sum(SIZES) - (num_parts - 1) * len(SIZES)
+        assert set(flat) <= {1000 * k + i for k, n in enumerate(SIZES) for i in range(n)}
+    assert part(0, 0) == part(0, 0)  # deterministic
+    if options.get("shuffle"):
+        assert part(0, 0) != part(0, 1)  # and another order each epoch
+
+
+def test_even_batches_refuses_what_it_cannot_keep_equal():
     src = gs.FunctionSource(range(4), id_shards([3] * 4))
-    with gs.StreamLoader(src, batch_size=2, num_parts=2, part_index=0, even_batches=True) as ld:
-        with pytest.raises(TypeError, match="shard_sizes"):
-            list(ld)
     with pytest.raises(ValueError, match="rollover"):
         gs.StreamLoader(src, batch_size=2, even_batches=True, last_batch="rollover")
+    with pytest.raises(ValueError, match="on_error='skip' cannot keep every rank's batch count"):
+        gs.StreamLoader(src, batch_size=2, num_parts=2, part_index=0, even_batches=True,
+                        on_error="skip")
+
+
+def test_even_batches_with_known_sizes_and_a_skipped_shard_keeps_the_counts_equal(caplog):
+    """A rank whose shard failed repeats its last batch rather than make the others wait."""
+    def part(rank):
+        def fn(key):
+            if key == 3 and rank == 0:  # fails on this rank only
+                raise RuntimeError("upstream data missing")
+            return id_shards(SIZES)(key)
+
+        src = gs.FunctionSource(range(len(SIZES)), fn)
+        with gs.StreamLoader(src, batch_size=4, num_parts=2, part_index=rank, seed=3,
+                             even_batches=True, on_error="skip",
+                             shard_sizes=dict(enumerate(SIZES))) as ld:
+            return [batch_ids(b) for b in ld]
+
+    with caplog.at_level("WARNING", logger="gluon_stream"):
+        counts = [len(part(r)) for r in range(2)]
+    assert counts[0] == counts[1] > 0
+    if any("short of the" in r.getMessage() for r in caplog.records):
+        assert "repeating its last batch" in caplog.text
 
 
 def test_even_batches_from_file_headers(tmp_path):

@@ -65,7 +65,7 @@ def test_the_process_pool_is_forked_once_and_kept_across_shards_and_epochs():
                 made_by.update(int(p) for p in batch[2].asnumpy())
         assert workers.forks == 2  # no fork per shard, none per epoch
         assert made_by == pids  # every batch made in one of the two first workers
-        assert {c.pid for c in psutil.Process().children()} == pids
+        assert pids <= {c.pid for c in psutil.Process().children()}  # still alive, not re-forked
 
 
 def memory_files() -> list[str]:

@@ -100,8 +100,13 @@ class SharedArrays(tuple):
 
     def rows(self, start: int, stop: int) -> tuple[np.ndarray, ...]:
         """Copies of rows ``start .. stop - 1`` of every array."""
+        return self.take(range(start, stop))
+
+    def take(self, rows: Any) -> tuple[np.ndarray, ...]:
+        """Copies of some rows (a range or indices) of every array."""
+        index = np.asarray(list(rows) if isinstance(rows, range) else rows, dtype=np.int64)
         with _mapped(self.fd, self.layout) as views:
-            return tuple(np.array(v[start:stop]) for v in views)
+            return tuple(np.take(v, index, axis=0) for v in views)
 
     def close(self) -> None:
         """Close the file descriptor now."""

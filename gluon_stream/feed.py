@@ -1,0 +1,181 @@
+"""An epoch's units, each with its batch plan: what both of the loader's batch paths read.
+
+A unit is the thing the :class:`~gluon_stream.batching.BatchPlanner` cuts into batches: a shard
+(``shuffle_window=1``), or a :class:`MixedUnit` that mixes the samples of up to k consecutive
+shards (see :class:`~gluon_stream.batching.WindowMixer`). :class:`UnitFeed` and
+:class:`WindowFeed` pull the shards from an :class:`~gluon_stream.stream.EpochRun` and hand out
+``(unit, plan)`` in order; :attr:`UnitFeed.final` is then the epoch's short tail (or the samples
+carried before a failing shard), :attr:`UnitFeed.failure` the error to raise after it.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+
+from .batching import Batch, BatchPlanner, MixedUnit, Segment, UnitPlan, WindowMixer
+from .errors import LoaderClosed
+from .stats import EpochRecord
+from .stream import EpochRun, Shard
+
+__all__ = ["Carry", "Mixed", "UnitFeed", "WindowFeed"]
+
+
+class Carry:
+    """The data of the samples the planner carries, in the planner's segment order.
+
+    Chunks are tuples of arrays (copies of the carried rows: NDArrays on the vectorised path,
+    numpy arrays on the per-sample path), so a small leftover never keeps its shard alive.
+    """
+
+    def __init__(self) -> None:
+        self.chunks: list[tuple] = []
+        self.segments: list[Segment] = []
+
+    def add(self, segment: Segment, chunk: tuple) -> None:
+        self.segments.append(segment)
+        self.chunks.append(chunk)
+
+    def take_all(self) -> list[tuple]:
+        chunks, self.chunks, self.segments = self.chunks, [], []
+        return chunks
+
+    def __len__(self) -> int:
+        return sum(s.size for s in self.segments)
+
+
+@dataclass
+class Mixed:
+    """A mixed unit and the shards it reads (by their position in the epoch)."""
+
+    unit: MixedUnit
+    shards: dict[int, Shard]
+    key: Any
+    arrays: tuple = ()  # the unit's own arrays, when a path builds them
+
+    @property
+    def index(self) -> int:
+        return self.unit.index
+
+    def __len__(self) -> int:
+        return len(self.unit)
+
+    def sources(self, start: int, stop: int) -> Iterator[tuple[int, list[int]]]:
+        """``(shard position, rows)`` runs of samples ``start .. stop - 1``, in order."""
+        shards, rows = self.unit.shards[start:stop], self.unit.rows[start:stop]
+        out: list[tuple[int, list[int]]] = []
+        for shard, row in zip(shards.tolist(), rows.tolist()):
+            if out and out[-1][0] == shard:
+                out[-1][1].append(row)
+            else:
+                out.append((shard, [row]))
+        return iter(out)
+
+
+class UnitFeed:
+    """Shards in order as units (``shuffle_window=1``), each with its batch plan.
+
+    :meth:`done` cuts a finished unit's leftover rows into the carry (through the path's
+    ``cut``).
+    """
+
+    def __init__(self, run: EpochRun, planner: BatchPlanner, carry: Carry, path: Any,
+                 record: EpochRecord) -> None:
+        self.run, self.planner, self.carry, self.path, self.record = (run, planner, carry,
+                                                                      path, record)
+        self.final: Batch | None = None
+        self.failure: BaseException | None = None
+        self.shard_wait_s = 0.0  # time spent waiting for shards to be produced, in total
+        self.samples = 0  # samples of the shards handed out
+        self._ended = False
+
+    def ready(self) -> bool:
+        """Whether :meth:`next` would return without waiting for a shard to be produced."""
+        return self._ended or self.run.ready()
+
+    def _next_shard(self) -> Shard | None:
+        """The run's next shard; on a failure, the carried samples become :attr:`final`."""
+        try:
+            shard = self.run.next_shard()
+        except LoaderClosed:
+            raise
+        except Exception as exc:  # deliver what earlier shards left over first, then raise
+            self._ended, self.failure = True, exc
+            self.final = self.planner.flush(self.run.index)
+            return None
+        finally:
+            self.shard_wait_s += self.run.last_wait_s
+        if shard is not None:
+            self.record.peak_prefetch = max(self.record.peak_prefetch,
+                                            self.run.ready_ahead() + 1)
+            self.samples += len(shard)
+        return shard
+
+    def next(self) -> tuple[Any, UnitPlan] | None:
+        if self._ended:
+            return None
+        shard = self._next_shard()
+        if shard is None:
+            if not self._ended:
+                self._end()
+            return None
+        return shard, self.planner.add(shard.index, len(shard), key=shard.key)
+
+    def _end(self) -> None:
+        self._ended = True
+        self.final = self.planner.finish()
+
+    def done(self, unit: Any, plan: UnitPlan) -> None:
+        for seg in plan.leftover:
+            self.carry.add(seg, self.path.cut(unit, seg))
+
+
+class WindowFeed(UnitFeed):
+    """Units that mix the samples of ``window`` consecutive shards (``shuffle_window > 1``).
+
+    Unit ``t`` is handed out as soon as shard ``t`` is in (see
+    :class:`~gluon_stream.batching.WindowMixer`); a shard is let go of once no later unit
+    reads it. The shards held here and those in flight stay within ``budget``
+    (``max(prefetch, window) + 1``), at least one always being produced ahead. The path's
+    ``mix`` gives a unit its data.
+    """
+
+    def __init__(self, run: EpochRun, planner: BatchPlanner, carry: Carry, path: Any,
+                 record: EpochRecord, mixer: WindowMixer, budget: int) -> None:
+        super().__init__(run, planner, carry, path, record)
+        self.mixer = mixer
+        self.budget = budget  # shards held here plus shards in flight
+        self._shards: dict[int, Shard] = {}
+        self._units: collections.deque[MixedUnit] = collections.deque()
+        self._drained = False
+
+    def ready(self) -> bool:
+        return bool(self._units) or self._ended or self._drained or self.run.ready()
+
+    def next(self) -> tuple[Any, UnitPlan] | None:
+        while not self._units:
+            if self._ended:
+                return None
+            if self._drained:
+                self._end()
+                return None
+            self.run.max_pending = self.budget - len(self._shards)
+            shard = self._next_shard()
+            if shard is None:
+                if self._ended:  # failed
+                    return None
+                self._drained = True
+                self._units.extend(self.mixer.finish())
+                continue
+            self._shards[shard.index] = shard
+            self._units.extend(self.mixer.add(shard.index, len(shard)))
+        unit = self._units.popleft()
+        shards = {j: self._shards[j] for j in np.unique(unit.shards).tolist()}
+        newest = self._shards.get(unit.index)
+        mixed = self.path.mix(Mixed(unit, shards, newest.key if newest else None))
+        for j in unit.done:
+            self._shards.pop(j, None)
+        self.run.max_pending = self.budget - len(self._shards)
+        return mixed, self.planner.add(unit.index, len(unit), key=mixed.key)

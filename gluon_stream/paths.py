@@ -1,0 +1,289 @@
+"""Planned batches into data: the loader's two batch paths, over the units of a feed.
+
+* :class:`SlicePath` (no ``batchify_fn``, no ``sample_transform``): each unit's samples are in
+  one NDArray per array, copied (and put in their shuffled order) once, in the background: by
+  the producer thread for a shard, by the feed for a mixed unit; batches are slices of it.
+* :class:`SamplePath`: per-sample work on workers (:mod:`gluon_stream._mx.workers`); batches
+  are submitted ahead, across unit boundaries, so rotating to the next shard does not drain the
+  workers.
+
+Both take a :class:`~gluon_stream.feed.UnitFeed` (units in order, each with its plan) and the
+:class:`~gluon_stream.feed.Carry`, and yield ``(planned batch, data)``.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+from typing import Any, Iterator
+
+import numpy as np
+
+from ._mx import arrays as mx_arrays
+from ._mx import shm as mx_shm
+from .batching import Batch, Segment, UnitPlan
+from .feed import Carry, Mixed, UnitFeed
+
+__all__ = ["Ordered", "SamplePath", "SlicePath"]
+
+
+class Ordered(tuple):
+    """A shard's arrays as they were made, and the order to read their rows in (no copy yet).
+
+    The items are placeholders with the read shape and the dtypes (for ``len()`` and schema
+    checks); :attr:`raw` and :attr:`order` are what a mixed unit gathers from.
+    """
+
+    def __new__(cls, raw: tuple, order: np.ndarray | None) -> "Ordered":
+        n = len(order) if order is not None else len(raw[0])
+        self = super().__new__(cls, [np.broadcast_to(np.zeros((), a.dtype), (n,) + a.shape[1:])
+                                     for a in raw])
+        self.raw, self.order = raw, order
+        return self
+
+    def rows(self, rows: Any) -> np.ndarray:
+        """Raw row indices of read rows ``rows``."""
+        rows = np.asarray(rows, dtype=np.int64)
+        return rows if self.order is None else self.order[rows]
+
+
+class SlicePath:
+    """Batches as slices of a unit's NDArrays (see the module doc).
+
+    Args:
+        ctx: The context batches are made in (``cpu``, or ``cpu_pinned`` with ``pin_memory``).
+        mixed: Units mix shards (``shuffle_window > 1``): shards stay as made (no copy) until
+            their unit gathers its rows straight into its NDArrays.
+    """
+
+    def __init__(self, ctx: Any, mixed: bool = False) -> None:
+        self.ctx = ctx
+        # bound methods: the stream compares prepare by identity
+        self.prepare = self._ordered if mixed else self._to_ndarrays
+
+    def _to_ndarrays(self, arrays: tuple, order: np.ndarray | None) -> tuple:
+        """Producer-side: the shard's rows in ``order`` as NDArrays (one copy, off the loop's path)."""
+        if not len(arrays[0]):
+            return arrays
+        return tuple(mx_arrays.to_ndarray(a, self.ctx, order) for a in arrays)
+
+    @staticmethod
+    def _ordered(arrays: tuple, order: np.ndarray | None) -> tuple:
+        return Ordered(tuple(arrays), order)
+
+    def mix(self, mixed: Mixed) -> Mixed:
+        """Gather a mixed unit's rows from its shards into its own NDArrays (one copy)."""
+        unit = mixed.unit
+        if not len(unit):
+            return mixed
+        shards = list(mixed.shards)
+        which = np.searchsorted(np.asarray(shards), unit.shards)
+        raws = [mixed.shards[j].arrays for j in shards]
+        rows = np.empty(len(unit), dtype=np.int64)
+        for s, ordered in enumerate(raws):  # read rows to the rows the shard was made with
+            m = which == s
+            rows[m] = ordered.rows(unit.rows[m])
+        mixed.arrays = tuple(mx_arrays.gather_to_ndarray([o.raw[f] for o in raws], which, rows,
+                                                         self.ctx)
+                             for f in range(len(raws[0].raw)))
+        mixed.shards = {}  # copied: the unit no longer keeps its shards alive
+        return mixed
+
+    def cut(self, unit: Any, segment: Segment) -> tuple:
+        """Carried rows as a copy: a small leftover must not keep the whole unit alive."""
+        return tuple(a[segment.start:segment.stop].copy() for a in unit.arrays)
+
+    def batches(self, feed: UnitFeed, carry: Carry) -> Iterator[tuple[Batch, Any]]:
+        while (item := feed.next()) is not None:
+            unit, plan = item
+            arrays = unit.arrays
+            for batch in plan.batches():  # only the joined batch opens with carried samples
+                parts = carry.take_all() if batch is plan.joined else []
+                own = batch.segments[-1]
+                parts.append(tuple(a[own.start:own.stop] for a in arrays))
+                yield batch, _as_batch(_join(parts))
+            feed.done(unit, plan)
+            del unit, arrays, item
+        if feed.final is not None:
+            yield feed.final, _as_batch(_join(carry.take_all()))
+        if feed.failure is not None:
+            raise feed.failure
+
+    def close(self) -> None:
+        """Nothing owned."""
+
+
+class SamplePath:
+    """Per-sample work (``sample_transform``/``batchify_fn``) on workers, ahead of the loop.
+
+    Args:
+        workers: What makes the batches (:func:`gluon_stream._mx.workers.make_workers`).
+        timeout: Seconds one batch may take.
+        pin_ctx: Copy batches to this context (``cpu_pinned``), or None.
+    """
+
+    def __init__(self, workers: Any, timeout: float, pin_ctx: Any = None) -> None:
+        self.workers = workers
+        self.timeout = timeout
+        self.pin = pin_ctx
+        self.prepare = self._to_shared if workers.uses_shared_memory else None
+        self._ids = itertools.count()
+        self._sids: dict[int, int] = {}  # id(shard arrays) -> source id, while attached
+
+    @staticmethod
+    def _to_shared(arrays: tuple, order: np.ndarray | None) -> tuple:
+        """Producer-side: the shard's rows in ``order``, copied into shared memory once."""
+        return mx_shm.SharedArrays.copy_of(arrays, order)
+
+    def mix(self, mixed: Mixed) -> Mixed:
+        """A mixed unit needs no copy here: its batches name each sample's shard and row."""
+        return mixed
+
+    def cut(self, unit: Any, segment: Segment) -> tuple:
+        if isinstance(unit, Mixed):
+            parts = [_rows(unit.shards[j].arrays, rows)
+                     for j, rows in unit.sources(segment.start, segment.stop)]
+            return tuple(np.concatenate(fields) for fields in zip(*parts))
+        return _rows(unit.arrays, range(segment.start, segment.stop))
+
+    def batches(self, feed: UnitFeed, carry: Carry) -> Iterator[tuple[Batch, Any]]:
+        workers = self.workers
+        window: collections.deque = collections.deque()  # (batch, task id, what, sources)
+        live: dict[int, int] = {}  # source id -> batches in flight (and units) that read it
+        unit: Any = None
+        plan: Any = None
+        held: list[int] = []  # the current unit's sources
+        planned: Iterator[Batch] = iter(())
+        numbers = itertools.count(1)
+        ended = complete = False
+        try:
+            while True:
+                while len(window) < workers.depth and not ended:
+                    batch = next(planned, None)
+                    if batch is None:
+                        if unit is not None:
+                            feed.done(unit, plan)
+                            for sid in held:
+                                self._release(live, sid)
+                            unit = None
+                        if window and not feed.ready():
+                            break  # deliver what is in flight rather than wait for a shard
+                        item = feed.next()
+                        if item is None:
+                            ended = True
+                            break
+                        unit, plan = item
+                        held = self._hold(unit, live)
+                        planned, numbers = plan.batches(), itertools.count(1)
+                        continue
+                    refs, sids = self._refs(batch, plan, unit, carry)
+                    what = f"batch {next(numbers)} of {len(plan)} of {_name(unit)}"
+                    window.append(self._submit(batch, refs, sids, what, unit.key, live))
+                if not window:
+                    break
+                yield self._take(window.popleft(), live)
+            if feed.final is not None:
+                refs, sids = self._carry_refs(carry)
+                item = self._submit(feed.final, refs, sids, "the epoch's last batch", None, live)
+                yield self._take(item, live)
+            complete = True
+            if feed.failure is not None:
+                raise feed.failure
+        finally:
+            if not complete:  # cut short: forget the batches in flight
+                workers.cancel_all()
+                self._sids.clear()
+
+    def _hold(self, unit: Any, live: dict[int, int]) -> list[int]:
+        """Attach the shards a unit reads (once each, shared by the units that read them)."""
+        shards = unit.shards.values() if isinstance(unit, Mixed) else [unit]
+        sids = []
+        for shard in shards:
+            sid = self._sids.get(id(shard.arrays))
+            if sid is None:
+                sid = next(self._ids)
+                self._sids[id(shard.arrays)] = sid
+                self.workers.attach(sid, shard.arrays)
+                live[sid] = 0
+            live[sid] += 1
+            sids.append(sid)
+        return sids
+
+    def _refs(self, batch: Batch, plan: UnitPlan, unit: Any, carry: Carry
+              ) -> tuple[list, list[int]]:
+        own = batch.segments[-1]
+        refs: list = []
+        sids: list[int] = []
+        if batch is plan.joined:
+            refs, sids = self._carry_refs(carry)
+        if isinstance(unit, Mixed):
+            for j, rows in unit.sources(own.start, own.stop):
+                sid = self._sids[id(unit.shards[j].arrays)]
+                refs.append((sid, rows))
+                sids.append(sid)
+        else:
+            sid = self._sids[id(unit.arrays)]
+            refs.append((sid, range(own.start, own.stop)))
+            sids.append(sid)
+        return refs, sids
+
+    def _carry_refs(self, carry: Carry) -> tuple[list, list[int]]:
+        chunks = carry.take_all()
+        if not chunks:
+            return [], []
+        sid = next(self._ids)
+        arrays = tuple(np.concatenate(parts) for parts in zip(*chunks))
+        self.workers.attach(sid, arrays)
+        return [(sid, range(len(arrays[0])))], [sid]
+
+    def _submit(self, batch: Batch, refs: list, sids: list[int], what: str, key: Any,
+                live: dict[int, int]) -> tuple:
+        tid = next(self._ids)
+        for sid in sids:
+            live[sid] = live.get(sid, 0) + 1
+        self.workers.submit(tid, refs, what, key)
+        return batch, tid, what, sids
+
+    def _take(self, item: tuple, live: dict[int, int]) -> tuple[Batch, Any]:
+        batch, tid, what, sids = item
+        data = self.workers.result(tid, self.timeout, what)
+        for sid in sids:
+            self._release(live, sid)
+        if self.pin is not None:
+            data = mx_arrays.as_in_context(data, self.pin)
+        return batch, data
+
+    def _release(self, live: dict[int, int], sid: int) -> None:
+        live[sid] -= 1
+        if not live[sid]:
+            del live[sid]
+            self.workers.detach(sid)
+            for key in [k for k, v in self._sids.items() if v == sid]:
+                del self._sids[key]
+
+    def close(self) -> None:
+        self.workers.close()
+
+
+def _rows(arrays: tuple, rows: Any) -> tuple:
+    """Copies of some rows of a shard's arrays (in shared memory, or plain numpy)."""
+    if isinstance(arrays, mx_shm.SharedArrays):  # not mapped in this process
+        return arrays.take(rows)
+    index = np.asarray(list(rows) if isinstance(rows, range) else rows, dtype=np.int64)
+    return tuple(np.take(a, index, axis=0) for a in arrays)
+
+
+def _name(unit: Any) -> str:
+    if isinstance(unit, Mixed):
+        return f"mixed unit {unit.index} (shards {[s.key for s in unit.shards.values()]})"
+    return f"shard {unit.key!r}"
+
+
+def _join(parts: list) -> tuple:
+    """Arrays of a batch from its parts (tuples of NDArrays), joined along the sample axis."""
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(mx_arrays.concat(list(arrays)) for arrays in zip(*parts))
+
+
+def _as_batch(arrays: tuple) -> Any:
+    return arrays[0] if len(arrays) == 1 else list(arrays)

@@ -1,0 +1,174 @@
+"""shuffle_window: batches that mix the samples of several consecutive shards, with every
+sample once, the same batches on every path, deterministic orders, exact resume, per-rank
+windows and a bounded number of shards held."""
+from __future__ import annotations
+
+import collections
+import json
+import threading
+import weakref
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+import gluon_stream as gs
+from _helpers import all_ids, batch_ids, id_shards
+
+pytestmark = pytest.mark.mxnet  # these tests use MXNet: warm its engine first
+
+SIZES = [13, 0, 9, 17, 5, 11, 8, 14]  # awkward sizes, an empty shard, one under a batch
+BS = 4
+SAMPLE = {"sample_transform": lambda ids, half: (ids, half)}
+PATHS = {"slices": {}, "inline": SAMPLE, "threads": dict(SAMPLE, num_workers=2, thread_pool=True),
+         "processes": dict(SAMPLE, num_workers=2)}
+
+
+def make(window, sizes=SIZES, seed=11, **kw):
+    kw.setdefault("batch_size", BS)
+    src = gs.FunctionSource(range(len(sizes)), id_shards(sizes))
+    return gs.StreamLoader(src, shuffle=True, seed=seed, shuffle_window=window, **kw)
+
+
+def epoch_batches(window, epoch=0, **kw):
+    with make(window, **kw) as loader:
+        loader.set_epoch(epoch)
+        return [batch_ids(b) for b in loader]
+
+
+def shards_per_batch(batches, batch_size):
+    return [len({i // 1000 for i in b}) for b in batches if len(b) == batch_size]
+
+
+@pytest.mark.parametrize("window", [2, 3, 5])
+@pytest.mark.parametrize("last_batch", ["keep", "discard"])
+def test_every_sample_once_and_full_batches(window, last_batch):
+    batches = epoch_batches(window, last_batch=last_batch)
+    flat = [i for b in batches for i in b]
+    assert len(flat) == len(set(flat))
+    if last_batch == "keep":
+        assert sorted(flat) == all_ids(SIZES)
+    else:
+        assert len(flat) == sum(SIZES) // BS * BS and set(flat) < set(all_ids(SIZES))
+    assert all(len(b) == BS for b in batches[:-1])
+
+
+def test_batches_mix_more_shards_as_the_window_grows():
+    mixing = {k: np.mean(shards_per_batch(epoch_batches(k, sizes=[64] * 12, batch_size=16), 16))
+              for k in (1, 2, 4, 8)}
+    assert mixing[1] < 1.3  # without a window: one shard per batch but at boundaries
+    assert mixing[1] < mixing[2] < mixing[4] < mixing[8]
+    assert mixing[4] > 2.5
+
+
+@pytest.mark.parametrize("path", ["inline", "threads", "processes"])
+def test_the_per_sample_paths_give_the_slice_paths_batches(path):
+    for epoch in (0, 1):
+        assert epoch_batches(3, epoch, **PATHS[path]) == epoch_batches(3, epoch)
+
+
+def test_orders_are_deterministic_per_seed_and_epoch():
+    assert epoch_batches(3, 0) == epoch_batches(3, 0)
+    assert epoch_batches(3, 0) != epoch_batches(3, 1)
+    assert epoch_batches(3, 0) != epoch_batches(3, 0, seed=12)
+    assert epoch_batches(3, 0) != epoch_batches(1, 0)
+
+
+def test_rollover_opens_the_next_epoch_with_the_remainder():
+    with make(3, last_batch="rollover") as loader:
+        first = [batch_ids(b) for b in loader]
+        second = [batch_ids(b) for b in loader]
+    assert all(len(b) == BS for b in first + second)
+    left = set(all_ids(SIZES)) - {i for b in first for i in b}
+    assert len(left) == sum(SIZES) % BS and left <= set(second[0])
+
+
+@pytest.mark.parametrize("path", ["slices", "processes"])
+def test_resume_at_every_batch_gives_the_same_batches_twice_in_a_row(path):
+    kw = dict(last_batch="rollover", **PATHS[path])
+
+    def run(loader, stop=None, start_epoch=0):
+        out = []
+        for epoch in range(start_epoch, 2):
+            loader.set_epoch(epoch)
+            for b in loader:
+                out.append(batch_ids(b))
+                if stop is not None and len(out) == stop:
+                    return out
+        return out
+
+    with make(3, **kw) as loader:
+        reference = run(loader)
+    for k in range(1, len(reference), 3 if path == "processes" else 1):
+        with make(3, **kw) as first:
+            head = run(first, stop=k)
+            state = json.loads(json.dumps(first.state_dict()))
+        with make(3, **kw) as second:
+            second.load_state_dict(state)
+            again = json.loads(json.dumps(second.state_dict()))
+            middle = run(second, stop=2, start_epoch=state["epoch"])
+            state2 = second.state_dict()
+        with make(3, **kw) as third:
+            third.load_state_dict(state2)
+            tail = run(third, start_epoch=state2["epoch"])
+        assert again == state
+        assert head + middle + tail == reference, f"resume after {k}"
+
+
+def test_a_state_from_another_window_is_refused():
+    with make(3) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    with make(4) as other, pytest.raises(ValueError, match="shuffle_window"):
+        other.load_state_dict(state)
+
+
+@pytest.mark.parametrize("num_parts", [2, 3])
+def test_windows_are_formed_within_each_ranks_part(num_parts):
+    parts = [epoch_batches(3, num_parts=num_parts, part_index=r) for r in range(num_parts)]
+    flat = [i for p in parts for b in p for i in b]
+    assert sorted(flat) == all_ids(SIZES)  # disjoint and covering
+    for p in parts:
+        assert len({i // 1000 for b in p for i in b}) < len(SIZES)  # a part: its own shards
+
+
+def test_at_most_max_prefetch_window_plus_one_shards_are_held_and_batches_start_early():
+    alive, peak = set(), []
+    release = {k: threading.Event() for k in range(12)}
+    release[0].set()
+
+    def fn(key):
+        assert release[key].wait(30), f"the test never released shard {key}"
+        ids = np.arange(40, dtype=np.int64) + 1000 * key
+        alive.add(key)
+        weakref.finalize(ids, alive.discard, key)
+        return ids, ids.astype(np.float32)
+
+    src = gs.FunctionSource(range(12), fn)
+    with gs.StreamLoader(src, batch_size=8, shuffle=True, seed=1, shuffle_window=4,
+                         prefetch=2, producers=4) as loader:
+        it = iter(loader)
+        first = next(it)  # only shard 0 is in: the window does not wait for its 4 shards
+        assert {i // 1000 for i in batch_ids(first)} == {0}
+        for k in range(1, 12):
+            release[k].set()
+        for _ in it:
+            peak.append(len(alive))
+    assert max(peak) <= max(2, 4) + 1
+
+
+def test_stats_still_count_each_shards_samples_and_len_is_unchanged():
+    src = gs.FunctionSource(range(len(SIZES)), id_shards(SIZES))
+    with gs.StreamLoader(src, batch_size=BS, shuffle=True, seed=2, shuffle_window=3,
+                         shard_sizes=dict(enumerate(SIZES))) as loader:
+        assert len(loader) == -(-sum(SIZES) // BS)
+        assert sum(1 for _ in loader) == len(loader)
+        per_shard = {r.key: r.samples for r in loader.stats.shards}
+    assert per_shard == dict(enumerate(SIZES))
+
+
+def test_a_window_needs_shuffle():
+    with pytest.raises(ValueError, match="shuffle_window=3 mixes .* pass shuffle=True"):
+        gs.StreamLoader(gs.FunctionSource([0], id_shards([4])), batch_size=2, shuffle_window=3)
+    with pytest.raises(ValueError, match="shuffle_window must be a positive integer"):
+        make(0)
