@@ -120,7 +120,7 @@ EXAMPLES = ["timeseries_lstm.py", "gluoncv_classification.py", "module_fit.py",
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_examples_have_help_for_every_option_and_tiny(name):
     out = run([sys.executable, example(name), "--help"], ROOT)
-    options = out.split("options:", 1)[1]
+    options = re.split(r"\n(?:options|optional arguments):\n", out, 1)[1]  # 3.10+, 3.9
     blocks = re.split(r"\n(?=  -)", options.strip("\n"))
     helps = {b.split()[0].rstrip(","): re.match(r"\s*(-.*?)(\s{2,}|$)(.*)",
                                                  b.replace("\n", "  "), re.S).group(3).strip()
