@@ -17,6 +17,7 @@ import collections
 import concurrent.futures as cf
 import itertools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -46,10 +47,11 @@ WAIT_SLICE_S = 0.5  # how often a waiting consumer re-checks for close()
 CLOSE_WAIT_S = 2.0  # how long close() waits for producer threads to finish their shard
 _END = object()
 
-#: ``prepare(arrays, order) -> arrays``: run in the producer thread after the transform, it
-#: returns the shard's arrays in ``order`` (a permutation of the rows, or None) in whatever
-#: form the consumer wants them (NDArrays, shared memory, ...).
-Prepare = Callable[[tuple, "np.ndarray | None"], tuple]
+#: ``prepare(arrays, order, what) -> arrays``: run in the producer thread after the transform,
+#: it returns the shard's arrays in ``order`` (a permutation or a subset of the rows, or None)
+#: in whatever form the consumer wants them (NDArrays, shared memory, ...); ``what`` names the
+#: shard (key, file, epoch) for its error messages.
+Prepare = Callable[[tuple, "np.ndarray | None", str], tuple]
 
 
 @dataclass
@@ -76,17 +78,61 @@ def schema_of(arrays: Sequence[Any]) -> list[tuple[str, tuple]]:
     return [(np.dtype(a.dtype).str, tuple(a.shape[1:])) for a in arrays]
 
 
+class _Throttle:
+    """How many producers may work at once: fixed, or growing (``producers='auto'``).
+
+    Producer threads exist up to ``bound``; a shard's production waits here until fewer than
+    ``active`` are running. :meth:`grow` admits one more.
+    """
+
+    def __init__(self, active: int, bound: int) -> None:
+        self.active, self.bound = active, bound
+        self.running = 0
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def __enter__(self) -> None:
+        with self._cond:
+            while self.running >= self.active and not self._closed:
+                self._cond.wait(WAIT_SLICE_S)
+            if self._closed:
+                raise LoaderClosed("the stream was closed")
+            self.running += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        with self._cond:
+            self.running -= 1
+            self._cond.notify()
+
+    def grow(self) -> bool:
+        """Admit one more producer if the bound allows; whether it did."""
+        with self._cond:
+            if self.active >= self.bound:
+                return False
+            self.active += 1
+            self._cond.notify()
+            return True
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
 class _Resources:
     """What a ShardStream owns; closed by ``close()`` or by the garbage collector."""
 
-    def __init__(self, source: Source, producers: int) -> None:
+    def __init__(self, source: Source, throttle: _Throttle) -> None:
         self.source = source
-        self.executor = cf.ThreadPoolExecutor(producers, thread_name_prefix="gluon_stream-producer")
+        self.throttle = throttle
+        self.executor = cf.ThreadPoolExecutor(throttle.bound,
+                                              thread_name_prefix="gluon_stream-producer")
         self.closed = threading.Event()
         self.runs: weakref.WeakSet = weakref.WeakSet()
 
     def close(self) -> None:
         self.closed.set()
+        self.throttle.close()
         for run in list(self.runs):
             run.cancel()
         self.source.close()  # kills running generator process groups
@@ -110,10 +156,12 @@ class ShardStream(Closing):
             the ``.npy`` array or the tuple of ``.npz`` arrays. Returns an array, a tuple or a
             dict of arrays with a common first (sample) dimension.
         prefetch: Shards produced ahead of the one being consumed (0: none).
-        producers: Producer threads (shards generated in parallel), or a
-            ``concurrent.futures.Executor`` (e.g. ``dask.distributed.Client.get_executor()``)
-            that generates shards elsewhere into a ``cache_dir`` both sides can see; the shards
-            are then loaded and transformed here, in order.
+        producers: Shards produced at once. ``'auto'`` (default): one, and one more each time
+            the consumer waits for a shard while every producer is busy and a core is free, up
+            to ``min(prefetch, cores)`` (more have nothing ahead to make, or no core to run on);
+            logged at INFO when it grows. An int fixes it; a ``concurrent.futures.Executor``
+            (e.g. ``dask.distributed.Client.get_executor()``) generates shards elsewhere into a
+            ``cache_dir`` both sides can see, loaded and transformed here, in order.
         shuffle: Shuffle the shard order (finite keys) and the samples within each shard,
             deterministically from ``(seed, epoch)``.
         seed: Seed for shuffling; None draws one (logged at INFO).
@@ -146,7 +194,8 @@ class ShardStream(Closing):
     """
 
     def __init__(self, source: Source, *, transform: Callable[[Any], Any] | None = None,
-                 prefetch: int = 2, producers: int | cf.Executor = 1, shuffle: bool = False,
+                 prefetch: int = 2, producers: int | str | cf.Executor = "auto",
+                 shuffle: bool = False,
                  seed: int | None = None, on_error: Any = "raise",
                  schema: Sequence[tuple[Any, Sequence[int]]] | None = None,
                  stats: Stats | None = None, num_parts: int | str = 1,
@@ -158,17 +207,20 @@ class ShardStream(Closing):
                             f"{type(source).__name__}")
         prefetch = _validate.integer("prefetch", prefetch, minimum=0)
         self._remote = producers if isinstance(producers, cf.Executor) else None
-        if self._remote is not None:
-            producers = prefetch + 1  # local threads only wait for, load and transform shards
+        self.auto_producers = producers == "auto"
+        if self._remote is not None:  # local threads only wait for, load and transform shards
+            throttle = _Throttle(prefetch + 1, prefetch + 1)
+        elif self.auto_producers:
+            throttle = _Throttle(1, max(1, min(prefetch, os.cpu_count() or 1)))
         else:
             producers = _validate.integer(
                 "producers", producers, minimum=1,
-                hint="or pass a concurrent.futures.Executor")
+                hint="'auto', or a concurrent.futures.Executor")
+            throttle = _Throttle(producers, producers)
         _validate.callable_or_none("transform", transform)
         self.source = source
         self.transform = transform
         self.prefetch = prefetch
-        self.producers = producers
         self.shuffle = bool(shuffle)
         self.num_parts, self.part_index = resolve_parts(num_parts, part_index, kvstore=kvstore)
         self.deal = _validate.choice("deal", deal, DEAL_MODES)
@@ -196,11 +248,26 @@ class ShardStream(Closing):
         self._shard_sizes = shard_sizes
         self.num_epochs = (None if num_epochs is None
                            else _validate.integer("num_epochs", num_epochs, minimum=1))
-        self._res = _Resources(source, producers)
+        self._res = _Resources(source, throttle)
         self._finalizer = weakref.finalize(self, self._res.close)
         track(self, self._finalizer)
 
     # -- configuration ------------------------------------------------------------------
+    @property
+    def producers(self) -> int:
+        """Shards produced at once now (with ``'auto'``, it grows up to its bound)."""
+        return self._res.throttle.active
+
+    def _waited(self, key: Any) -> None:
+        """The consumer had to wait for shard ``key``: with ``'auto'``, add a producer if every
+        producer is busy and a core is free (the loop, waiting, uses none)."""
+        throttle = self._res.throttle
+        if not self.auto_producers or throttle.running < throttle.active:
+            return
+        if throttle.grow():
+            logger.info("producers='auto': %d producers (the loop waited for shard %r while "
+                        "every producer was busy)", throttle.active, key)
+
     @property
     def on_error(self) -> str:
         """``'raise'``, ``'skip'`` or ``'retry'`` (see :attr:`error_policy` for the count)."""
@@ -300,7 +367,7 @@ class ShardStream(Closing):
     def start_epoch(self, skip: int = 0, prepare: Prepare | None = None) -> "EpochRun":
         """Begin producing the current epoch after ``skip`` shards; cancels any unfinished pass.
 
-        ``prepare(arrays, order)``, if given, runs in the producer threads after the transform
+        ``prepare(arrays, order, what)``, if given, runs in the producer threads after the transform
         and returns the shard's arrays in ``order`` in the form the consumer wants; without it
         the rows are permuted with numpy. The same ``prepare`` is used for the next epoch's
         shards produced ahead.
@@ -343,6 +410,15 @@ class ShardStream(Closing):
         """Runs in a producer thread: generate/load, transform, shuffle, prepare."""
         if run is not None and run.cancelled:
             raise LoaderClosed("epoch pass cancelled")
+        if run is None:  # produce_now: in the caller's thread, outside the producers' count
+            return self._make(key, epoch, index, run, prepare)
+        with self._res.throttle:
+            return self._make(key, epoch, index, run, prepare)
+
+    def _make(self, key: Any, epoch: int, index: int, run: "EpochRun | None",
+              prepare: Prepare | None) -> Shard:
+        if run is not None and run.cancelled:
+            raise LoaderClosed("epoch pass cancelled")
         lane = threading.current_thread().name
         clock = self.stats.clock
         t0 = clock()
@@ -363,7 +439,7 @@ class ShardStream(Closing):
         if run is not None and run.cancelled:
             raise LoaderClosed("epoch pass cancelled")
         if prepare is not None:  # it applies the order while copying (no extra copy)
-            arrays = prepare(arrays, order)
+            arrays = prepare(arrays, order, f"shard {key!r} (file {raw.path!r}, epoch {epoch})")
         elif order is not None:
             arrays = tuple(np.take(a, order, axis=0) for a in arrays)
         shard = Shard(key, epoch, index, arrays)
@@ -501,7 +577,7 @@ class EpochRun:
         attempts = 0
         while True:
             try:
-                shard = self._result(fut)
+                shard = self._result(fut, key)
                 stream._check_schema(shard)
             except (LoaderClosed, KeyboardInterrupt, cf.CancelledError):
                 raise
@@ -530,17 +606,19 @@ class EpochRun:
                         ", cached" if shard.record.cache_hit else "")
             return shard
 
-    def _result(self, fut: cf.Future) -> Shard:
+    def _result(self, fut: cf.Future, key: Any = None) -> Shard:
         clock = self.stream.stats.clock
         start = clock()
         try:
-            return self._poll(fut)
+            return self._poll(fut, key)
         finally:
             self.last_wait_s = clock() - start
 
-    def _poll(self, fut: cf.Future) -> Shard:
+    def _poll(self, fut: cf.Future, key: Any = None) -> Shard:
         # cf.wait, not result(timeout=): since Python 3.11 cf.TimeoutError is the built-in
         # TimeoutError, so a shard that failed with ShardTimeout would look 'not ready yet'
+        if not fut.done():
+            self.stream._waited(key)
         while not cf.wait([fut], timeout=WAIT_SLICE_S).done:
             self.stream.check_open()
             if self.cancelled:

@@ -397,7 +397,7 @@ def test_close_during_a_30_s_generator_run_returns_within_2_s(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_an_interrupted_then_dropped_loader_cleans_up_like_close(tmp_path):
+def test_an_interrupted_then_dropped_loader_cleans_up_like_close(tmp_path, sigint):
     """Jupyter: next(it) blocks on a 30 s generator, Ctrl-C, then `del loader, it`."""
     loader = _hanging_loader(tmp_path, prefetch=1)
     started = lambda: "grandchild" in read_lines(tmp_path / "started")  # noqa: E731
@@ -441,7 +441,7 @@ def _interrupt_me():
 # an interrupt that lands inside MXNet's NDArray.__del__ is reported as "Exception ignored"
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("path", ["vectorised", "process-pool"])
-def test_jupyter_style_interrupts_20_times_leak_nothing(path, record_property):
+def test_jupyter_style_interrupts_20_times_leak_nothing(path, record_property, sigint):
     """SIGINT after k batches, catch KeyboardInterrupt, iterate again: 20 times, then a full
     epoch; fds, threads, children and /dev/shm stay flat, and RSS does not grow."""
     sizes = [40, 25, 40, 30]
@@ -488,7 +488,9 @@ def test_jupyter_style_interrupts_20_times_leak_nothing(path, record_property):
     assert closed["fds"] == first["fds"] and closed["children"] == 0 and closed["threads"] == 0
     # the worker processes are the loader's for its whole life (forked once): flat, not zero
     workers = PROCESS_POOL["num_workers"] if path == "process-pool" else 0
-    assert at20["fds"] <= at5["fds"] and at20["threads"] <= 1, figures
+    # producer threads: at most producers='auto''s bound, min(prefetch=2, cores), however many
+    # passes were interrupted
+    assert at20["fds"] <= at5["fds"] and at20["threads"] <= min(2, os.cpu_count()), figures
     assert at20["children"] == at5["children"] == workers, figures
     assert at20["rss_mb"] - at5["rss_mb"] < 25, figures
 

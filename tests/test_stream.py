@@ -75,3 +75,60 @@ def test_with_num_epochs_the_last_epoch_does_not_produce_the_next_one_ahead():
         assert stream._next_run.epoch == 2  # without num_epochs it is
     with pytest.raises(ValueError, match="num_epochs must be a positive integer"):
         gs.ShardStream(gs.FunctionSource(keys, lambda key: np.zeros(4)), num_epochs=0)
+
+
+def test_auto_producers_grow_only_while_the_consumer_waits(caplog):
+    import os
+    import threading
+
+    from _helpers import wait_for
+
+    calls = []
+
+    def instant(key):
+        calls.append(key)
+        return np.zeros(4)
+
+    # the consumer never waits: every shard is ready before it is asked for
+    with gs.ShardStream(gs.FunctionSource(range(3), instant), prefetch=2) as stream:
+        run = stream.start_epoch()
+        run.start()
+        wait_for(lambda: run.ready_ahead() == 3, what="three shards produced ahead")
+        assert [run.next_shard().key for _ in range(3)] == [0, 1, 2]
+        assert stream.producers == 1
+
+    # the consumer waits while its one producer works: one more, up to min(prefetch, cores)
+    gate = threading.Event()
+
+    def gated(key):
+        assert gate.wait(30)
+        return np.zeros(4)
+
+    with caplog.at_level("INFO", logger="gluon_stream"):
+        with gs.ShardStream(gs.FunctionSource(range(4), gated), prefetch=2) as stream:
+            run = stream.start_epoch()
+            releaser = threading.Timer(0.2, gate.set)
+            releaser.start()
+            assert run.next_shard().key == 0  # waited for it
+            releaser.join()
+            assert stream.producers == min(2, os.cpu_count())
+            list(stream)
+    if stream.producers > 1:
+        assert "producers='auto': 2 producers" in caplog.text
+
+    gate.clear()
+    with gs.ShardStream(gs.FunctionSource(range(2), gated), prefetch=1) as stream:
+        run = stream.start_epoch()
+        releaser = threading.Timer(0.2, gate.set)
+        releaser.start()
+        run.next_shard()
+        releaser.join()
+        assert stream.producers == 1  # never more than prefetch: nothing more to make ahead
+
+
+def test_fixed_producers_and_bad_values():
+    with gs.ShardStream(gs.FunctionSource(range(2), lambda k: np.zeros(2)), producers=3) as s:
+        assert s.producers == 3 and not s.auto_producers
+    for bad in (0, True, "many", 1.5):
+        with pytest.raises(ValueError, match="producers must be a positive integer"):
+            gs.ShardStream(gs.FunctionSource(range(2), lambda k: np.zeros(2)), producers=bad)
