@@ -71,6 +71,9 @@ class StreamIter(data_iter_base(), Closing):
         if not isinstance(loader, StreamLoader):
             raise TypeError(f"loader must be a gluon_stream.StreamLoader, got "
                             f"{type(loader).__name__}")
+        if isinstance(getattr(loader, "ctx", None), list):
+            raise ValueError("StreamIter hands Module whole batches and Module splits them across "
+                             "its own contexts: build the loader with one ctx (or none)")
         super().__init__(batch_size=loader.batch_size)
         data_names = _names("data_names", data_names)
         label_names = _names("label_names", label_names)

@@ -95,7 +95,9 @@ class StreamLoader(Closing):
         on_error: ``'raise'`` (default), ``'skip'`` or ``('retry', n)`` per shard.
         schema: Expected ``[(dtype, trailing_shape), ...]``; default: the first shard's.
         stats: A :class:`Stats` to record into (default: a new one, ``loader.stats``).
-        progress: Show a tqdm bar per epoch (samples/s, share of time waiting, shards ahead).
+        progress: Show a bar per epoch (samples/s, share of time waiting, shards ahead): it
+            redraws on a terminal or in Jupyter and writes one line per epoch into a file or
+            pipe; ``'live'`` redraws wherever it goes.
         num_parts, part_index: This rank's part of every epoch's shards (MXNet's names);
             ``'auto'`` reads them from ``kvstore``, Horovod or the launcher's environment.
         kvstore: An MXNet kvstore to read the rank from with ``'auto'``.
@@ -110,6 +112,14 @@ class StreamLoader(Closing):
             every shard.
         num_epochs: How many epochs will be run, if known: the last epoch's end then does not
             produce the next epoch's first shards ahead.
+        ctx: Where batches arrive: one context (``mx.gpu(0)``), or a list, and then each array
+            arrives split across them as ``gluon.utils.split_and_load(x, ctx, even_split=False)``
+            gives it (a list per array). The copy of the next batch is started before the
+            current one is handed out, whenever the next one is ready, so it runs while the
+            loop trains; batches never share memory with one the loop still has.
+        shards_on_ctx: With one ``ctx`` and no per-sample work, copy each whole shard there in
+            its producer thread, so batches are slices already on the device and nothing is
+            copied per batch; costs up to ``prefetch + 1`` shards of device memory.
 
     Example:
         >>> import numpy as np
@@ -136,7 +146,8 @@ class StreamLoader(Closing):
                  num_parts: int | str = _validate.UNSET, part_index: int | str = _validate.UNSET,
                  kvstore: Any = _validate.UNSET, even_batches: bool = False,
                  shard_sizes: Mapping[Any, int] | Callable[[Any], int] | int | None
-                 = _validate.UNSET, num_epochs: int | None = _validate.UNSET) -> None:
+                 = _validate.UNSET, num_epochs: int | None = _validate.UNSET,
+                 ctx: Any = None, shards_on_ctx: bool = False) -> None:
         require_mxnet()
         self.batch_size = _validate.integer("batch_size", batch_size, minimum=1)
         self.last_batch = _validate.choice("last_batch", last_batch, LAST_BATCH_MODES)
@@ -191,9 +202,12 @@ class StreamLoader(Closing):
         self._position: Position | None = None  # where the epoch in progress stands
         self._delivered = 0  # batches delivered in the epoch in progress
         self._resume: tuple[Position, int] | None = None  # set by load_state_dict
+        self.ctx = _check_ctx(ctx, shards_on_ctx, self.vectorised)
+        self.shards_on_ctx = bool(shards_on_ctx)
         if self.vectorised:
-            path: Any = SlicePath(mx_arrays.batch_context(pin_memory, pin_device_id),
-                                  mixed=self.shuffle_window > 1)
+            home = self.ctx if self.shards_on_ctx else mx_arrays.batch_context(pin_memory,
+                                                                                pin_device_id)
+            path: Any = SlicePath(home, mixed=self.shuffle_window > 1)
             if num_workers:
                 logger.info("num_workers=%d unused: without batchify_fn/sample_transform, batches "
                             "are slices of a shard prepared in the background", num_workers)
@@ -368,7 +382,9 @@ class StreamLoader(Closing):
         clock = stats.clock
         record = stats.new_epoch(run.epoch)
         t_start = waiting_since = clock()
-        bar = ProgressBar(run.epoch, self._num_batches(run.epoch)) if self.progress else None
+        bar = (ProgressBar(run.epoch, self._num_batches(run.epoch),
+                           live=True if self.progress == "live" else None)
+               if self.progress else None)
         limit = self._even_limit(run.epoch)
         planner = BatchPlanner(self.batch_size, self.last_batch, start)
         if self.shuffle_window > 1:
@@ -382,8 +398,11 @@ class StreamLoader(Closing):
         self._position, self._delivered = start, delivered
         last_unit, shard_wait = None, 0.0
         run.start()  # producers start on the first shards before anything below can wait
+        batches = self._path.batches(feed, carry)
+        if self.ctx is not None and not self.shards_on_ctx:
+            batches = self._placed(batches)
         try:
-            for planned, batch in self._path.batches(feed, carry):
+            for planned, batch in batches:
                 if limit is not None and delivered >= limit:
                     break  # even_batches: every part stops after the same number of batches
                 now = clock()
@@ -423,6 +442,27 @@ class StreamLoader(Closing):
             if bar is not None:
                 bar.close(record)
 
+    def _placed(self, batches: Iterator[tuple]) -> Iterator[tuple]:
+        """Batches copied to ``ctx``, the next one's copy started before the current one is
+        handed out whenever the next one is ready (never waiting for it)."""
+        ctx, path = self.ctx, self._path
+        item = next(batches, None)
+        current = None if item is None else (item[0], mx_arrays.place(item[1], ctx))
+        while current is not None:
+            ahead = path.ready()
+            if not ahead:
+                yield current
+            try:
+                item = next(batches, None)
+            except BaseException:
+                if ahead:  # what the loop would have had before the error
+                    yield current
+                raise
+            following = None if item is None else (item[0], mx_arrays.place(item[1], ctx))
+            if ahead:
+                yield current
+            current = following
+
     def _pad_to(self, limit: int, delivered: int, last: Any, run: EpochRun,
                 record: Any) -> Iterator[Any]:
         """even_batches: skipped shards left this part short of the count every part yields;
@@ -454,6 +494,19 @@ class StreamLoader(Closing):
                 "FileSource or a shared cache_dir filled ahead (gluon-stream generate), or pass "
                 "shard_sizes= (samples after transform)")
         return min(sizes) // self.batch_size
+
+
+def _check_ctx(ctx: Any, shards_on_ctx: bool, vectorised: bool) -> Any:
+    """``ctx`` checked: None, an MXNet context, or a non-empty list of them."""
+    mx = require_mxnet()
+    contexts = list(ctx) if isinstance(ctx, (list, tuple)) else [ctx]
+    if ctx is not None and (not contexts or not all(isinstance(c, mx.Context) for c in contexts)):
+        raise TypeError(f"ctx must be an MXNet context (mx.gpu(0), mx.cpu()) or a list of them, "
+                        f"got {ctx!r}")
+    if shards_on_ctx and (ctx is None or isinstance(ctx, (list, tuple)) or not vectorised):
+        raise ValueError("shards_on_ctx=True copies whole shards to one ctx on the slice path: "
+                         "pass one context as ctx=, and no batchify_fn/sample_transform")
+    return list(ctx) if isinstance(ctx, (list, tuple)) else ctx
 
 
 def _sizes_declared(source: Source, given: Mapping[str, Any]) -> bool:

@@ -22,6 +22,7 @@ from ._mx import arrays as mx_arrays
 from ._mx import shm as mx_shm
 from .batching import Batch, Segment, UnitPlan
 from .feed import Carry, Mixed, UnitFeed
+from .shardfile import check_batchable
 
 __all__ = ["Ordered", "SamplePath", "SlicePath"]
 
@@ -57,17 +58,20 @@ class SlicePath:
 
     def __init__(self, ctx: Any, mixed: bool = False) -> None:
         self.ctx = ctx
+        self._left, self._feed = 0, None
         # bound methods: the stream compares prepare by identity
         self.prepare = self._ordered if mixed else self._to_ndarrays
 
-    def _to_ndarrays(self, arrays: tuple, order: np.ndarray | None) -> tuple:
+    def _to_ndarrays(self, arrays: tuple, order: np.ndarray | None, what: str) -> tuple:
         """Producer-side: the shard's rows in ``order`` as NDArrays (one copy, off the loop's path)."""
+        check_batchable(arrays, what=what)
         if not len(arrays[0]):
             return arrays
         return tuple(mx_arrays.to_ndarray(a, self.ctx, order) for a in arrays)
 
     @staticmethod
-    def _ordered(arrays: tuple, order: np.ndarray | None) -> tuple:
+    def _ordered(arrays: tuple, order: np.ndarray | None, what: str) -> tuple:
+        check_batchable(arrays, what=what)
         return Ordered(tuple(arrays), order)
 
     def mix(self, mixed: Mixed) -> Mixed:
@@ -93,13 +97,16 @@ class SlicePath:
         return tuple(a[segment.start:segment.stop].copy() for a in unit.arrays)
 
     def batches(self, feed: UnitFeed, carry: Carry) -> Iterator[tuple[Batch, Any]]:
+        self._feed = feed
         while (item := feed.next()) is not None:
             unit, plan = item
             arrays = unit.arrays
+            self._left = len(plan)
             for batch in plan.batches():  # only the joined batch opens with carried samples
                 parts = carry.take_all() if batch is plan.joined else []
                 own = batch.segments[-1]
                 parts.append(tuple(a[own.start:own.stop] for a in arrays))
+                self._left -= 1
                 yield batch, _as_batch(_join(parts))
             feed.done(unit, plan)
             del unit, arrays, item
@@ -107,6 +114,10 @@ class SlicePath:
             yield feed.final, _as_batch(_join(carry.take_all()))
         if feed.failure is not None:
             raise feed.failure
+
+    def ready(self) -> bool:
+        """Whether the next batch comes without waiting (for a shard to be produced)."""
+        return self._left > 0 or (self._feed is not None and self._feed.ready())
 
     def close(self) -> None:
         """Nothing owned."""
@@ -127,10 +138,11 @@ class SamplePath:
         self.pin = pin_ctx
         self.prepare = self._to_shared if workers.uses_shared_memory else None
         self._ids = itertools.count()
+        self._window: collections.deque = collections.deque()
         self._sids: dict[int, int] = {}  # id(shard arrays) -> source id, while attached
 
     @staticmethod
-    def _to_shared(arrays: tuple, order: np.ndarray | None) -> tuple:
+    def _to_shared(arrays: tuple, order: np.ndarray | None, what: str) -> tuple:
         """Producer-side: the shard's rows in ``order``, copied into shared memory once."""
         return mx_shm.SharedArrays.copy_of(arrays, order)
 
@@ -147,7 +159,7 @@ class SamplePath:
 
     def batches(self, feed: UnitFeed, carry: Carry) -> Iterator[tuple[Batch, Any]]:
         workers = self.workers
-        window: collections.deque = collections.deque()  # (batch, task id, what, sources)
+        window = self._window = collections.deque()  # (batch, task id, what, sources)
         live: dict[int, int] = {}  # source id -> batches in flight (and units) that read it
         unit: Any = None
         plan: Any = None
@@ -259,6 +271,10 @@ class SamplePath:
             self.workers.detach(sid)
             for key in [k for k, v in self._sids.items() if v == sid]:
                 del self._sids[key]
+
+    def ready(self) -> bool:
+        """Whether the next batch is made already (taking it would not wait)."""
+        return bool(self._window) and self.workers.done(self._window[0][1])
 
     def close(self) -> None:
         self.workers.close()

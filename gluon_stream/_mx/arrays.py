@@ -8,7 +8,7 @@ import numpy as np
 from . import require_mxnet
 
 __all__ = ["GATHER_CHUNK_BYTES", "as_in_context", "batch_context", "concat", "default_batchify_fn",
-           "gather_to_ndarray", "to_ndarray"]
+           "gather_to_ndarray", "place", "to_ndarray"]
 
 GATHER_CHUNK_BYTES = 4 << 20
 
@@ -93,4 +93,20 @@ def as_in_context(data: Any, ctx: Any) -> Any:
         return type(data)(as_in_context(d, ctx) for d in data)
     if isinstance(data, dict):
         return {k: as_in_context(v, ctx) for k, v in data.items()}
+    return data
+
+
+def place(data: Any, ctx: Any) -> Any:
+    """``data`` with every NDArray in it on ``ctx`` (one context), or split across a list of
+    contexts as ``gluon.utils.split_and_load(x, ctx, even_split=False)`` does: a list per
+    array. The copies are queued on MXNet's engine and run while the caller goes on."""
+    if not isinstance(ctx, (list, tuple)):
+        return as_in_context(data, ctx)
+    mx = require_mxnet()
+    if isinstance(data, mx.nd.NDArray):
+        return mx.gluon.utils.split_and_load(data, list(ctx), batch_axis=0, even_split=False)
+    if isinstance(data, (list, tuple)):
+        return type(data)(place(d, ctx) for d in data)
+    if isinstance(data, dict):
+        return {k: place(v, ctx) for k, v in data.items()}
     return data

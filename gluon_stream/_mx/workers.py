@@ -92,6 +92,10 @@ class InlineWorkers:
     def result(self, tid: int, timeout: float, what: str = "") -> Any:
         return self.maker(self._sources, self._tasks.pop(tid))
 
+    def done(self, tid: int) -> bool:
+        """Whether :meth:`result` would return without making or waiting for the batch."""
+        return False
+
     def cancel_all(self) -> None:
         self._tasks.clear()
         self._sources.clear()
@@ -137,6 +141,10 @@ class ThreadWorkers(InlineWorkers):
                     "sample_transform or batchify_fn is too slow (or stuck); speed it up or "
                     "raise timeout=")
         return future.result()
+
+    def done(self, tid: int) -> bool:
+        future = self._futures.get(tid)
+        return future is not None and future.done()
 
     def cancel_all(self) -> None:
         for future in self._futures.values():
@@ -286,6 +294,15 @@ class ProcessWorkers:
         if isinstance(result, _Failure):
             raise result.error
         return result
+
+    def done(self, tid: int) -> bool:
+        """Whether the batch is back (takes in what arrived, without waiting)."""
+        if tid not in self._results and not self._closed.is_set():
+            for worker in mp_connection.wait([w.conn for w in self._workers], timeout=0):
+                owner = next((w for w in self._workers if w.conn is worker), None)
+                if owner is not None:
+                    self._receive(owner)
+        return tid in self._results
 
     def cancel_all(self) -> None:
         """Forget every batch not yet taken; results still in flight are dropped on arrival."""

@@ -1,0 +1,94 @@
+"""Batches on the device: ctx= places them on one context or splits them across several (as
+split_and_load does), copied one batch ahead; shards_on_ctx copies whole shards instead. Tested
+on CPU contexts (mx.cpu(0) and mx.cpu(1) are distinct contexts in MXNet)."""
+from __future__ import annotations
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+import gluon_stream as gs
+from _helpers import all_ids, id_shards
+
+pytestmark = pytest.mark.mxnet  # these tests use MXNet: warm its engine first
+
+SIZES = [9, 6, 11]
+SAMPLE = {"sample_transform": lambda ids, half: (ids, half)}
+
+
+def loader(**kw):
+    kw.setdefault("batch_size", 4)
+    return gs.StreamLoader(gs.FunctionSource(range(len(SIZES)), id_shards(SIZES)), shuffle=True,
+                           seed=2, **kw)
+
+
+def values(batches):
+    return [[a.asnumpy().tolist() for a in b] for b in batches]
+
+
+@pytest.mark.parametrize("options", [{}, SAMPLE, dict(SAMPLE, num_workers=2),
+                                     {"shards_on_ctx": True}])
+def test_batches_arrive_on_the_asked_context_with_the_same_values(options):
+    with loader() as plain:
+        reference = values(plain)
+    with loader(ctx=mx.cpu(1), **options) as ld:
+        batches = list(ld)
+    assert {str(a.context) for b in batches for a in b} == {"cpu(1)"}
+    assert values(batches) == reference
+
+
+@pytest.mark.parametrize("options", [{}, dict(SAMPLE, num_workers=2)])
+def test_a_list_of_contexts_splits_every_array_like_split_and_load(options):
+    contexts = [mx.cpu(0), mx.cpu(1)]
+    with loader() as plain:
+        reference = [[mx.gluon.utils.split_and_load(a, contexts, even_split=False) for a in b]
+                     for b in plain]
+    with loader(ctx=contexts, **options) as ld:
+        batches = list(ld)
+    assert len(batches) == len(reference)
+    for got, want in zip(batches, reference):
+        for parts, expected in zip(got, want):
+            assert [str(p.context) for p in parts] == [str(e.context) for e in expected]
+            assert [p.asnumpy().tolist() for p in parts] == [e.asnumpy().tolist()
+                                                           for e in expected]
+    flat = [int(i) for b in batches for part in b[0] for i in part.asnumpy()]
+    assert sorted(flat) == all_ids(SIZES)
+
+
+def test_the_next_batch_is_copied_before_the_current_one_is_handed_out(monkeypatch):
+    from gluon_stream._mx import arrays as mx_arrays
+
+    events = []
+    real = mx_arrays.place
+
+    def place(data, ctx):
+        events.append(("copy", int(data[0].asnumpy()[0])))
+        return real(data, ctx)
+
+    monkeypatch.setattr(mx_arrays, "place", place)
+    src = gs.FunctionSource([0], lambda k: np.arange(16, dtype=np.int64))
+    with gs.StreamLoader(src, batch_size=4, ctx=mx.cpu(1)) as ld:
+        for batch in ld:
+            events.append(("loop", int(batch.asnumpy()[0])))
+    # within a shard the next batch is ready: its copy starts before this one reaches the loop
+    assert events == [("copy", 0), ("copy", 4), ("loop", 0), ("copy", 8), ("loop", 4),
+                      ("copy", 12), ("loop", 8), ("loop", 12)]
+
+
+def test_bad_placements_are_refused():
+    with pytest.raises(TypeError, match="ctx must be an MXNet context"):
+        loader(ctx="gpu0")
+    with pytest.raises(ValueError, match="shards_on_ctx=True copies whole shards to one ctx"):
+        loader(ctx=[mx.cpu(0), mx.cpu(1)], shards_on_ctx=True)
+    with pytest.raises(ValueError, match="shards_on_ctx"):
+        loader(ctx=mx.cpu(1), shards_on_ctx=True, **SAMPLE)
+    with loader(ctx=[mx.cpu(0), mx.cpu(1)]) as ld, pytest.raises(ValueError, match="one ctx"):
+        gs.StreamIter(ld)
+
+
+def test_stream_iter_passes_one_context_through_to_module_batches():
+    with loader(ctx=mx.cpu(1)) as ld:
+        it = gs.StreamIter(ld, data_names=["ids"], label_names=["half"])
+        contexts = {str(a.context) for batch in it for a in batch.data + batch.label}
+        it.close()
+    assert contexts == {"cpu(1)"}
