@@ -2,6 +2,7 @@
 ``mxnet`` (the pure-Python modules' tests run without it). Helpers live in ``_helpers``."""
 from __future__ import annotations
 
+import signal
 import sys
 
 import pytest
@@ -49,3 +50,14 @@ def leak_check(request):
 @pytest.fixture
 def python() -> str:
     return sys.executable
+
+
+@pytest.fixture
+def sigint():
+    """Ctrl-C raises KeyboardInterrupt during the test, even when the suite runs in a shell that
+    ignores SIGINT (``nohup ... &`` starts it with SIG_IGN); the handler is restored after."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -54,8 +54,9 @@ def test_docstring_examples_run():
     assert attempted >= 20
 
 
-PURE_TESTS = ["test_batching.py", "test_cache.py", "test_keys.py", "test_shardfile.py",
-              "test_sources.py", "test_stats.py", "test_validate.py", "test_retry.py"]
+PURE_TESTS = ["test_batching.py", "test_cache.py", "test_fuzz.py", "test_inspect.py",
+              "test_keys.py", "test_retry.py", "test_shardfile.py", "test_sources.py",
+              "test_state.py", "test_stats.py", "test_validate.py"]
 
 
 def test_the_pure_python_parts_are_tested_without_mxnet(tmp_path):
@@ -71,3 +72,10 @@ def test_the_pure_python_parts_are_tested_without_mxnet(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert " passed" in out.stdout and "error" not in out.stdout.splitlines()[-1]
+
+
+@pytest.mark.mxnet
+def test_import_mxnet_is_the_mxnet_module():
+    import mxnet
+
+    assert gs.import_mxnet() is mxnet

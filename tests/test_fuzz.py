@@ -14,7 +14,6 @@ Run ``python tests/test_fuzz.py 3000`` to print the outcome counts for more file
 """
 from __future__ import annotations
 
-import bz2
 import collections
 import io
 import math
@@ -24,7 +23,6 @@ import struct
 import sys
 import warnings
 import zipfile
-import zlib
 from typing import Any, Callable
 
 import numpy as np

@@ -298,7 +298,8 @@ def test_epoch_in_command_caches_per_key_and_epoch(tmp_path):
                       "np.save(sys.argv[2], np.full((4,), int(sys.argv[3]), dtype=np.int64))\n")
     cmd = [sys.executable, str(script), "{key}", "{path}", "{epoch}"]
     src = gs.CommandSource(lambda epoch: ["a", "b"], cmd, cache_dir=tmp_path / "c")
-    with gs.StreamLoader(src, batch_size=8) as loader:
+    # num_epochs: no epoch 2 made ahead of time (it would add a@e2.npy, racing the listing)
+    with gs.StreamLoader(src, batch_size=8, num_epochs=2) as loader:
         seen = []
         for epoch in (0, 1):
             loader.set_epoch(epoch)
@@ -545,3 +546,17 @@ def test_an_unclosed_loader_does_not_hold_up_the_interpreters_exit(tmp_path):
     for pid in pids:  # the generators were killed on the way out, not left running
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert not [f for f in os.listdir(tmp_path / "cache") if f.startswith(".")]
+
+
+def test_a_dtype_mxnet_cannot_batch_is_a_typed_error_naming_the_shard():
+    def fn(key):
+        return np.zeros((4, 2), np.float32), np.arange(4).astype("datetime64[D]")
+
+    with gs.StreamLoader(gs.FunctionSource(["2024-01-02"], fn), batch_size=2) as loader:
+        with pytest.raises(gs.UnbatchableShard, match=r"shard '2024-01-02' .*array 1 has dtype "
+                                                      r"datetime64\[D\].*astype"):
+            list(loader)
+    converted = gs.FunctionSource(["2024-01-02"], fn)
+    with gs.StreamLoader(converted, batch_size=2,
+                         transform=lambda raw: (raw[0], raw[1].astype("int64"))) as loader:
+        assert [b[1].dtype for b in loader] == [np.int64, np.int64]

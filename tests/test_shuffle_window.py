@@ -3,12 +3,10 @@ sample once, the same batches on every path, deterministic orders, exact resume,
 windows and a bounded number of shards held."""
 from __future__ import annotations
 
-import collections
 import json
 import threading
 import weakref
 
-import mxnet as mx
 import numpy as np
 import pytest
 

@@ -61,7 +61,16 @@ def mxnet_available() -> bool:
 
 
 def require_mxnet() -> Any:
-    """Return the ``mxnet`` module or raise an ImportError that names the extra to install."""
+    """Return the ``mxnet`` module or raise an ImportError that names the extra to install.
+
+    Public as ``gluon_stream.import_mxnet()``: on Python 3.12 (numpy 1.26) a script's own
+    ``import mxnet`` fails unless numpy's removed aliases are restored first, which this does;
+    after it, ``import mxnet`` works anywhere in the process.
+
+    Example:
+        >>> import gluon_stream as gs
+        >>> mx = gs.import_mxnet()  # doctest: +SKIP
+    """
     mx = _state.get("mx") or _load()
     if mx is None:
         error = _state["error"]
