@@ -41,7 +41,9 @@ class StreamIter(data_iter_base(), Closing):
 
     The loader's batches hold its arrays in order (data first, then labels); the first
     ``len(data_names)`` arrays become ``DataBatch.data``, the next ``len(label_names)``
-    ``DataBatch.label``. The iterator does not own the loader: close the loader yourself
+    ``DataBatch.label``. When the shards name their arrays (``fn`` returned a dict, or an
+    ``.npz`` saved by name) and every name is among them, arrays are matched by name instead:
+    ``{"softmax_label": y, "data": x}`` is not swapped. The iterator does not own the loader: close the loader yourself
     (``with gs.StreamLoader(...) as loader:``). ``close()`` only ends the current pass.
 
     Args:
@@ -227,7 +229,11 @@ class StreamIter(data_iter_base(), Closing):
 
     def _check(self, batch: Any) -> list:
         arrays = list(batch) if isinstance(batch, (list, tuple)) else [batch]
-        expected = len(self.data_names) + len(self.label_names)
+        wanted = self.data_names + self.label_names
+        names = self.loader.names
+        if names is not None and len(names) == len(arrays) and set(wanted) <= set(names):
+            arrays = [arrays[names.index(n)] for n in wanted]  # by name, not position
+        expected = len(wanted)
         if len(arrays) != expected:
             raise ValueError(
                 f"StreamIter: the loader's batches hold {len(arrays)} arrays but data_names "

@@ -89,6 +89,7 @@ class UnitFeed:
         self.failure: BaseException | None = None
         self.shard_wait_s = 0.0  # time spent waiting for shards to be produced, in total
         self.samples = 0  # samples of the shards handed out
+        self.names: tuple[str, ...] | None = None  # the arrays' names, where they have some
         self._ended = False
 
     def ready(self) -> bool:
@@ -111,6 +112,7 @@ class UnitFeed:
             self.record.peak_prefetch = max(self.record.peak_prefetch,
                                             self.run.ready_ahead() + 1)
             self.samples += len(shard)
+            self.names = shard.names
         return shard
 
     def next(self) -> tuple[Any, UnitPlan] | None:

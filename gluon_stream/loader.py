@@ -202,6 +202,7 @@ class StreamLoader(Closing):
         self._position: Position | None = None  # where the epoch in progress stands
         self._delivered = 0  # batches delivered in the epoch in progress
         self._resume: tuple[Position, int] | None = None  # set by load_state_dict
+        self._names: tuple[str, ...] | None = None
         self.ctx = _check_ctx(ctx, shards_on_ctx, self.vectorised)
         self.shards_on_ctx = bool(shards_on_ctx)
         if self.vectorised:
@@ -233,6 +234,12 @@ class StreamLoader(Closing):
     def epoch(self) -> int:
         """The epoch the next iteration will produce."""
         return self.stream.epoch
+
+    @property
+    def names(self) -> tuple[str, ...] | None:
+        """The names of the arrays in a batch, in order, when the shards name them (a dict
+        returned by ``fn`` or ``transform``, an ``.npz`` saved by name); None otherwise."""
+        return self._names
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch of the next pass (its keys, shuffle order and cache entries)."""
@@ -423,6 +430,7 @@ class StreamLoader(Closing):
                     record.wall_s = now - t_start
                     bar.update(record, run.ready_ahead())
                 last = batch
+                self._names = feed.names
                 yield batch
                 waiting_since = clock()
                 stats.add_span("train", "busy", now, waiting_since)

@@ -45,9 +45,9 @@ import numpy as np
 from .errors import (CorruptShard, SchemaMismatch, ShardError, StreamError, UnbatchableShard,
                      UnsafeShard)
 
-__all__ = ["ArrayInfo", "MXNET_DTYPES", "check_batchable", "discard_path", "inspect_shard",
-           "is_disk_full", "load_shard", "normalize_arrays", "open_regular", "remove_if_exists",
-           "write_shard"]
+__all__ = ["ArrayInfo", "Columns", "MXNET_DTYPES", "check_batchable", "discard_path",
+           "inspect_shard", "is_disk_full", "load_shard", "names_of", "normalize_arrays",
+           "open_regular", "remove_if_exists", "write_shard"]
 
 logger = logging.getLogger(__name__)
 
@@ -378,7 +378,8 @@ class _Seekless:
 
 
 def load_shard(path: str | os.PathLike, *, mmap: bool = False) -> tuple[np.ndarray, ...]:
-    """Validate then load a shard: one array for ``.npy``, the stored arrays in order for ``.npz``.
+    """Validate then load a shard: one array for ``.npy``, the stored arrays in order for ``.npz``
+    (a :class:`Columns` that carries their names, unless they are numpy's ``arr_0, arr_1, ...``).
 
     The file is opened once (a regular file only), checked, and loaded from that same open
     file, so what was checked is what is read.
@@ -393,7 +394,10 @@ def load_shard(path: str | os.PathLike, *, mmap: bool = False) -> tuple[np.ndarr
         try:
             if layout is None:
                 with np.load(fp, allow_pickle=False) as npz:
-                    return tuple(npz[info.name + ".npy"] for info in infos)
+                    names = [info.name for info in infos]
+                    positional = names == [f"arr_{i}" for i in range(len(names))]
+                    return Columns((npz[n + ".npy"] for n in names),
+                                   None if positional else names)
             if mmap:  # np.load maps only by name, which could be swapped for a FIFO meanwhile
                 return (np.memmap(fp, dtype=layout.info.dtype, mode="r", offset=layout.offset,
                                   shape=layout.info.shape, order="F" if layout.fortran else "C"),)
@@ -475,6 +479,23 @@ def _dtype_fix(dtype: np.dtype) -> str | None:
     return "a.astype('float32')"
 
 
+class Columns(tuple):
+    """A shard's arrays (a tuple), with their names where they have some: a dict's keys, or an
+    ``.npz`` file's members saved by name (``np.savez(f, x=..., y=...)``); None otherwise."""
+
+    names: tuple[str, ...] | None
+
+    def __new__(cls, arrays: Any, names: Any = None) -> "Columns":
+        self = super().__new__(cls, arrays)
+        self.names = tuple(str(n) for n in names) if names is not None else None
+        return self
+
+
+def names_of(arrays: Any) -> tuple[str, ...] | None:
+    """The names a tuple of arrays carries (see :class:`Columns`), or None."""
+    return getattr(arrays, "names", None)
+
+
 def normalize_arrays(value: Any, *, what: str) -> tuple[np.ndarray, ...]:
     """Turn what a function or transform returned into a checked tuple of arrays (the columns).
 
@@ -507,7 +528,8 @@ def normalize_arrays(value: Any, *, what: str) -> tuple[np.ndarray, ...]:
     problem = _sample_axis_problem((name, a.shape) for (name, _), a in zip(items, out))
     if problem:
         raise SchemaMismatch(f"{what}: {problem}")
-    return tuple(out)
+    return Columns(out, [name for name, _ in items] if isinstance(value, Mapping)
+                   else names_of(value))
 
 
 def _as_numpy(item: Any) -> np.ndarray:

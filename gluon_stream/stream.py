@@ -34,7 +34,7 @@ from ._mx import require_mxnet
 from .distributed import resolve_parts
 from .errors import LoaderClosed, SchemaMismatch, add_note
 from .retry import ErrorPolicy, is_permanent
-from .shardfile import normalize_arrays
+from .shardfile import names_of, normalize_arrays
 from .sources import RawShard, Source
 from .stats import ShardRecord, Stats
 
@@ -63,6 +63,7 @@ class Shard:
     index: int
     arrays: tuple
     record: ShardRecord | None = field(repr=False, default=None)
+    names: tuple[str, ...] | None = None  # the arrays' names (a dict's keys), if they have any
 
     def __len__(self) -> int:
         return int(self.arrays[0].shape[0])
@@ -438,11 +439,12 @@ class ShardStream(Closing):
         order = self.row_order(key, epoch, len(arrays[0]))
         if run is not None and run.cancelled:
             raise LoaderClosed("epoch pass cancelled")
+        names = names_of(arrays)
         if prepare is not None:  # it applies the order while copying (no extra copy)
             arrays = prepare(arrays, order, f"shard {key!r} (file {raw.path!r}, epoch {epoch})")
         elif order is not None:
             arrays = tuple(np.take(a, order, axis=0) for a in arrays)
-        shard = Shard(key, epoch, index, arrays)
+        shard = Shard(key, epoch, index, arrays, names=names)
         t2 = clock()
         gen_end = t0 + raw.generate_s
         load_end = gen_end + raw.load_s

@@ -277,3 +277,27 @@ def test_bool_labels_are_padded_like_any_other():
             assert batch.label[0].dtype == np.bool_ and batch.label[0].shape == (4,)
         assert pads == [0, 2]
         it.close()
+
+
+def test_dict_keys_are_matched_to_data_and_label_names():
+    def fn(key):  # the label first: positions would swap data and label
+        x = np.arange(8, dtype=np.float32).reshape(4, 2) + 100 * key
+        return {"softmax_label": x[:, 0] > 100, "data": x}
+
+    with gs.StreamLoader(gs.FunctionSource(range(2), fn), batch_size=4) as loader:
+        it = gs.StreamIter(loader)
+        assert [d.shape for d in it.provide_data] == [(4, 2)]
+        for batch in it:
+            data, label = batch.data[0].asnumpy(), batch.label[0].asnumpy()
+            np.testing.assert_array_equal(label, data[:, 0] > 100)
+        assert loader.names == ("softmax_label", "data")
+        it.close()
+
+
+def test_npz_member_names_are_matched_too(tmp_path):
+    np.savez(tmp_path / "s.npz", label=np.zeros(4, np.float32), data=np.ones((4, 3), np.float32))
+    with gs.StreamLoader(gs.FileSource([str(tmp_path / "s.npz")]), batch_size=4) as loader:
+        it = gs.StreamIter(loader, data_names=["data"], label_names=["label"])
+        batch = it.next()
+        assert batch.data[0].shape == (4, 3) and batch.label[0].shape == (4,)
+        it.close()
