@@ -429,7 +429,8 @@ class StreamLoader(Closing):
                 if bar is not None:
                     record.wall_s = now - t_start
                     bar.update(record, run.ready_ahead())
-                last = batch
+                if limit is not None:  # kept only to repeat it; it pins its shard
+                    last = batch
                 self._names = feed.names
                 yield batch
                 waiting_since = clock()

@@ -285,7 +285,7 @@ def _rows(arrays: tuple, rows: Any) -> tuple:
     if isinstance(arrays, mx_shm.SharedArrays):  # not mapped in this process
         return arrays.take(rows)
     index = np.asarray(list(rows) if isinstance(rows, range) else rows, dtype=np.int64)
-    return tuple(np.take(a, index, axis=0) for a in arrays)
+    return tuple(a[index] for a in arrays)  # fancy indexing: np.take copies a strided input whole
 
 
 def _name(unit: Any) -> str:

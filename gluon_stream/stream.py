@@ -443,7 +443,7 @@ class ShardStream(Closing):
         if prepare is not None:  # it applies the order while copying (no extra copy)
             arrays = prepare(arrays, order, f"shard {key!r} (file {raw.path!r}, epoch {epoch})")
         elif order is not None:
-            arrays = tuple(np.take(a, order, axis=0) for a in arrays)
+            arrays = tuple(a[order] for a in arrays)  # not np.take: it copies a strided input
         shard = Shard(key, epoch, index, arrays, names=names)
         t2 = clock()
         gen_end = t0 + raw.generate_s

@@ -10,7 +10,7 @@ from . import require_mxnet
 __all__ = ["GATHER_CHUNK_BYTES", "as_in_context", "batch_context", "concat", "default_batchify_fn",
            "gather_to_ndarray", "place", "to_ndarray"]
 
-GATHER_CHUNK_BYTES = 4 << 20
+GATHER_CHUNK_BYTES = 1 << 20
 
 
 def batch_context(pin_memory: bool, pin_device_id: int) -> Any:
@@ -24,20 +24,23 @@ def to_ndarray(array: np.ndarray, ctx: Any, order: np.ndarray | None = None) -> 
     new NDArray of its dtype.
 
     ``nd.empty`` + ``_sync_copyfrom`` is 4-5x faster than ``nd.array`` and, unlike
-    ``nd.array`` without ``dtype``, keeps int64 as int64. With ``order`` the rows are gathered
-    a few MB at a time straight into the NDArray, so no permuted copy of the whole shard exists.
+    ``nd.array`` without ``dtype``, keeps int64 as int64. With ``order`` (or for a strided
+    view, such as sliding windows) the rows are copied a few MB at a time straight into the
+    NDArray, so no permuted or contiguous copy of the whole shard exists.
     """
     nd = require_mxnet().nd
     rows = array.shape[0] if order is None else len(order)
     out = nd.empty((rows,) + tuple(array.shape[1:]), ctx=ctx, dtype=array.dtype)
-    if order is None:
-        out._sync_copyfrom(np.ascontiguousarray(array))
+    if order is None and array.flags.c_contiguous:
+        out._sync_copyfrom(array)
         return out
     row_bytes = max(1, array.itemsize * int(np.prod(array.shape[1:], dtype=np.int64)))
     step = max(1, GATHER_CHUNK_BYTES // row_bytes)
-    for begin in range(0, len(order), step):
-        end = min(len(order), begin + step)
-        out[begin:end]._sync_copyfrom(np.take(array, order[begin:end], axis=0))
+    for begin in range(0, rows, step):  # a strided view is read a few MB at a time too
+        end = min(rows, begin + step)
+        chunk = (np.ascontiguousarray(array[begin:end]) if order is None
+                 else array[order[begin:end]])  # np.take would copy a strided input whole
+        out[begin:end]._sync_copyfrom(chunk)
     return out
 
 
@@ -57,7 +60,7 @@ def gather_to_ndarray(sources: Sequence[np.ndarray], which: np.ndarray, rows: np
         for s, source in enumerate(sources):
             mask = w == s
             if mask.any():
-                block[mask] = np.take(source, r[mask], axis=0)
+                block[mask] = source[r[mask]]
         out[begin:end]._sync_copyfrom(block)
     return out
 

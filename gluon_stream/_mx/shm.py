@@ -106,7 +106,7 @@ class SharedArrays(tuple):
         """Copies of some rows (a range or indices) of every array."""
         index = np.asarray(list(rows) if isinstance(rows, range) else rows, dtype=np.int64)
         with _mapped(self.fd, self.layout) as views:
-            return tuple(np.take(v, index, axis=0) for v in views)
+            return tuple(v[index] for v in views)
 
     def close(self) -> None:
         """Close the file descriptor now."""
@@ -145,7 +145,10 @@ def _fill(views: list[np.ndarray], arrays: Sequence[np.ndarray], order: np.ndarr
         if order is None:
             dst[...] = src
         else:
-            np.take(src, order, axis=0, out=dst)
+            # fancy indexing a few MB at a time (np.take would copy a strided input whole)
+            step = max(1, (4 << 20) // max(1, dst[:1].nbytes))
+            for begin in range(0, len(order), step):
+                dst[begin:begin + step] = src[order[begin:begin + step]]
 
 
 def _nbytes(dtype: np.dtype, shape: tuple) -> int:

@@ -34,13 +34,17 @@ def generate(key: str, rows: int, num_inputs: int) -> np.ndarray:
 
 
 def make_windows(raw: np.ndarray, time_steps: int = 16) -> tuple[np.ndarray, np.ndarray]:
-    """Sliding windows ``(n, time_steps, num_inputs)`` and the next value of column 0 as label."""
+    """Sliding windows ``(n, time_steps, num_inputs)`` and the next value of column 0 as label.
+
+    Both are read-only views of ``raw`` (no copy): the loader's one copy of the shard into its
+    NDArray reads them a few MB at a time, so no whole-shard temporary is made (a transform
+    that returns ``np.ascontiguousarray(...)`` holds the shard twice while it is copied).
+    """
     n = len(raw) - time_steps
     if n <= 0:
         return (np.empty((0, time_steps, raw.shape[1]), raw.dtype), np.empty((0,), raw.dtype))
     windows = np.lib.stride_tricks.sliding_window_view(raw[:-1], time_steps, axis=0)
-    windows = np.ascontiguousarray(windows.transpose(0, 2, 1))
-    return windows, np.ascontiguousarray(raw[time_steps:, 0])
+    return windows.transpose(0, 2, 1), raw[time_steps:, 0]
 
 
 def generator_command(rows: int, num_inputs: int, delay: float = 0.0) -> list[str]:
