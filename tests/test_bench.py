@@ -27,7 +27,8 @@ def test_bench_runs_end_to_end_and_json_has_every_contender_and_figure(tmp_path,
     out = tmp_path / "bench.json"
     status = main(["bench", "--rounds", "1", "--shards", "2", "--rows", "150", "--step-ms", "0",
                    "--delay", "0", "--throughput-samples", "300", "--throughput-batch-size", "64",
-                   "--memory-rows", "200", "--memory-epochs", "2", "--no-warmup",
+                   "--memory-rows", "200", "--memory-epochs", "2", "--persample-images", "40",
+                   "--no-warmup",
                    "--json", str(out)])
     assert status == 0
     printed = capsys.readouterr().out
@@ -50,6 +51,14 @@ def test_bench_runs_end_to_end_and_json_has_every_contender_and_figure(tmp_path,
         assert set(contenders) == set(bench.THROUGHPUT_CONTENDERS)
         assert all(c["samples_per_s"] > 0 and c["vs_ndarrayiter"] > 0
                    for c in contenders.values())
+    per = results["per-sample"]
+    assert set(per["in_memory"]) == set(bench.PERSAMPLE_CONTENDERS)
+    assert all(c["samples_per_s"] > 0 for c in per["in_memory"].values())
+    assert set(per["streaming"]["contenders"]) == {"dataloader-per-shard", "gluon_stream"}
+    assert per["streaming"]["ideal_s"] > 0 and per["streaming"]["rotation_ms"] is not None
+    assert set(results["placement"]["ms_per_batch"]) == {"as_in_context in the loop", "ctx="}
+    assert set(results["mixing"]["distinct_shards_per_batch"]) == {"1", "2", "4", "8"}
+    assert "per-sample" in printed and "placement" in printed and "shuffle_window" in printed
     memory = results["memory"]
     assert {"baseline_mb", "peak_over_baseline_mb", "bound_mb", "rss_slope_mb_per_epoch",
             "rss_per_epoch_mb"} <= set(memory)

@@ -309,4 +309,5 @@ def test_bench_lists_each_known_contender_once(capsys):
     err = capsys.readouterr().err
     one_error_line(err, "--contenders", "'warp'")
     listed = err.strip().split("choose from ")[1].split(", ")
-    assert sorted(listed) == sorted(set(bench.PIPELINE_CONTENDERS + bench.THROUGHPUT_CONTENDERS))
+    assert sorted(listed) == sorted(set(bench.PIPELINE_CONTENDERS + bench.THROUGHPUT_CONTENDERS
+                                        + bench.PERSAMPLE_CONTENDERS))

@@ -55,6 +55,9 @@ def register(subparsers: Any) -> None:
                         help="raw rows per shard of the memory scenario")
     parser.add_argument("--memory-epochs", type=positive_int, default=50,
                         help="epochs of the memory scenario")
+    parser.add_argument("--persample-images", type=positive_int, default=1500,
+                        help="images per shard in the per-sample scenario (6 shards; default "
+                             "1500)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="skip the untimed warm-up pass")
     parser.add_argument("--json", metavar="PATH", type=output_path, default=None,
@@ -73,7 +76,8 @@ def _contenders() -> list[str]:
     """Every contender's name, once (some run in the pipeline and the throughput scenarios)."""
     from ..tools import bench
 
-    return list(dict.fromkeys(bench.PIPELINE_CONTENDERS + bench.THROUGHPUT_CONTENDERS))
+    return list(dict.fromkeys(bench.PIPELINE_CONTENDERS + bench.THROUGHPUT_CONTENDERS
+                              + bench.PERSAMPLE_CONTENDERS))
 
 
 def _config(args: argparse.Namespace) -> Any:
@@ -102,7 +106,8 @@ def _config(args: argparse.Namespace) -> Any:
         workload=workload, scenarios=scenarios, contenders=args.contenders,
         rounds=args.rounds, delay=args.delay, throughput_samples=args.throughput_samples,
         throughput_batch_size=args.throughput_batch_size, memory_rows=args.memory_rows,
-        memory_epochs=args.memory_epochs, warmup=args.warmup,
+        memory_epochs=args.memory_epochs, persample_images=args.persample_images,
+        warmup=args.warmup,
         argv={k: v for k, v in vars(args).items() if k != "func"})
 
 

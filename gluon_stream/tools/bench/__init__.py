@@ -31,6 +31,13 @@ generations (they finish together), the bound no schedule beats.
 
 ``memory``: ``StreamLoader`` over ``--memory-epochs`` epochs; peak RSS against the process
 baseline plus ``(prefetch + 2)`` shards, and the RSS slope per epoch.
+
+``per-sample``: CIFAR-sized images with a numpy augmentation per sample, in memory against
+Gluon's DataLoader (0 workers, 2 processes, 2 threads) and streamed against a DataLoader per
+shard (see :mod:`.persample`). ``placement``: milliseconds per batch the loop spends getting a
+batch onto its context, copying it itself or with ``ctx=`` (see :mod:`.placement`).
+``throughput`` also runs ``shuffle_window=4`` beside 1 and measures how many shards a batch
+mixes for windows of 1, 2, 4 and 8.
 """
 from __future__ import annotations
 
@@ -42,20 +49,23 @@ from typing import Any, Sequence
 from ..._mx import require_mxnet
 from .measure import make_step, measure_step
 from .memory import run_memory_scenario
+from .persample import PERSAMPLE_CONTENDERS, run_persample_scenario
+from .placement import run_placement_scenario
 from .pipeline import (PIPELINE_CONTENDERS, PIPELINE_SCENARIOS, calibrate_delay,
                        run_pipeline_scenario)
 from .report import format_results, targets
-from .throughput import THROUGHPUT_CONTENDERS, THROUGHPUT_SHAPES, run_throughput_scenario
+from .throughput import THROUGHPUT_CONTENDERS, THROUGHPUT_SHAPES, mixing, run_throughput_scenario
 from .workload import Workload, ideal_time, wave_bound
 
-__all__ = ["BenchConfig", "PIPELINE_CONTENDERS", "PIPELINE_SCENARIOS", "SCENARIOS",
+__all__ = ["BenchConfig", "PERSAMPLE_CONTENDERS", "PIPELINE_CONTENDERS", "PIPELINE_SCENARIOS",
+           "SCENARIOS",
            "THROUGHPUT_CONTENDERS", "THROUGHPUT_SHAPES", "Workload", "format_results",
            "ideal_time", "run_bench", "run_memory_scenario", "run_pipeline_scenario",
            "run_throughput_scenario", "wave_bound"]
 
 logger = logging.getLogger(__name__)
 
-SCENARIOS = (*PIPELINE_SCENARIOS, "throughput", "memory")
+SCENARIOS = (*PIPELINE_SCENARIOS, "throughput", "per-sample", "placement", "memory")
 
 
 @dataclass(frozen=True)
@@ -71,6 +81,7 @@ class BenchConfig:
     throughput_batch_size: int = 256
     memory_rows: int = 20000
     memory_epochs: int = 50
+    persample_images: int = 1500
     warmup: bool = True
     argv: dict = field(default_factory=dict)
 
@@ -95,6 +106,17 @@ def run_bench(config: BenchConfig) -> dict:
             results[scenario] = run_throughput_scenario(
                 {"30x16": config.throughput_samples, "8": 5 * config.throughput_samples},
                 config.throughput_batch_size, config.rounds, base.seed, config.contenders)
+            results["mixing"] = mixing(seed=base.seed)
+        elif scenario == "per-sample":
+            results[scenario] = run_persample_scenario(config.rounds,
+                                                       images=config.persample_images,
+                                                       seed=base.seed,
+                                                       contenders=config.contenders)
+        elif scenario == "placement":
+            results[scenario] = run_placement_scenario(config.rounds,
+                                                       samples=config.throughput_samples,
+                                                       batch_size=config.throughput_batch_size,
+                                                       step_ms=base.step_ms, seed=base.seed)
         else:
             results[scenario] = run_memory_scenario(replace(base, rows=config.memory_rows),
                                                     config.memory_epochs)

@@ -10,10 +10,11 @@ from ..._mx import require_mxnet
 from ..._mx.dataloader import release_dataloader
 from .measure import Probe, batch_arrays, drive, median
 
-__all__ = ["THROUGHPUT_CONTENDERS", "THROUGHPUT_SHAPES", "run_throughput_scenario"]
+__all__ = ["THROUGHPUT_CONTENDERS", "THROUGHPUT_SHAPES", "mixing", "run_throughput_scenario"]
 
 THROUGHPUT_CONTENDERS = ("dataloader-nw0", "dataloader-nw2", "ndarrayiter", "vectorised-floor",
-                         "gluon_stream")
+                         "gluon_stream", "gluon_stream-window4")
+SHARDS = 8  # gluon_stream reads the arrays as this many shards (a window mixes them)
 THROUGHPUT_SHAPES = {"30x16": (30, 16), "8": (8,)}
 
 
@@ -42,9 +43,12 @@ def _throughput_batches(name: str, data: np.ndarray, label: np.ndarray, batch_si
         for begin in range(0, len(data), batch_size):
             idx = perm[begin:begin + batch_size]
             yield [mx.nd.array(data[idx]), mx.nd.array(label[idx])]
-    elif name == "gluon_stream":
-        with StreamLoader(FunctionSource([0], lambda key: (data, label)), batch_size=batch_size,
-                          shuffle=True, seed=seed) as loader:
+    elif name.startswith("gluon_stream"):
+        parts = np.array_split(np.arange(len(data)), SHARDS)
+        window = 4 if name.endswith("window4") else 1
+        source = FunctionSource(range(SHARDS), lambda key: (data[parts[key]], label[parts[key]]))
+        with StreamLoader(source, batch_size=batch_size, shuffle=True, seed=seed,
+                          shuffle_window=window) as loader:
             yield from loader
     else:
         raise ValueError(f"unknown throughput contender {name!r}")
@@ -81,3 +85,18 @@ def run_throughput_scenario(samples: dict[str, int], batch_size: int, rounds: in
                                "rounds": r} for c, r in rates.items()}}
         del data, label
     return out
+
+
+def mixing(windows: Sequence[int] = (1, 2, 4, 8), shards: int = 12, samples: int = 512,
+           batch_size: int = 32, seed: int = 0) -> dict:
+    """Mean distinct shards per full batch for each ``shuffle_window``."""
+    out = {}
+    for window in windows:
+        source = FunctionSource(range(shards),
+                                lambda key: np.full(samples, key, dtype=np.int64))
+        with StreamLoader(source, batch_size=batch_size, shuffle=True, seed=seed,
+                          shuffle_window=window) as loader:
+            counts = [len(np.unique(b.asnumpy())) for b in loader if b.shape[0] == batch_size]
+        out[window] = float(np.mean(counts))
+    return {"shards": shards, "samples": samples, "batch_size": batch_size,
+            "distinct_shards_per_batch": out}
