@@ -11,7 +11,7 @@ from ._mx import require_mxnet as import_mxnet
 from ._version import __version__
 from .errors import (BatchTimeout, CorruptShard, LoaderClosed, SchemaMismatch, ShardError,
                      ShardTimeout, StreamError, UnsafeShard, WorkerDied)
-from .errors import CommandNotFound, StaleShard, UnbatchableShard
+from .errors import CommandNotFound, InvalidState, StaleShard, UnbatchableShard, UnsafeKey
 from .loader import StreamLoader
 from .shardfile import inspect_shard, load_shard, write_shard
 from .sources import CommandSource, FileSource, FunctionSource, Source
@@ -25,6 +25,7 @@ __all__ = [
     "CorruptShard",
     "FileSource",
     "FunctionSource",
+    "InvalidState",
     "LoaderClosed",
     "SchemaMismatch",
     "Shard",
@@ -38,6 +39,7 @@ __all__ = [
     "StreamIter",
     "StreamLoader",
     "UnbatchableShard",
+    "UnsafeKey",
     "UnsafeShard",
     "WorkerDied",
     "__version__",

@@ -15,6 +15,8 @@ they resemble, so ``except ValueError`` or ``except TimeoutError`` keep working:
         WorkerDied(RuntimeError)        a DataLoader worker process died mid-shard
         BatchTimeout(TimeoutError)      one batch took longer than ``timeout``
         LoaderClosed(RuntimeError)      a closed loader or stream was used
+        UnsafeKey(ValueError)           a shard key unsafe as a file name or command argument
+        InvalidState(ValueError)        a resume state that is malformed or from other settings
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ __all__ = [
     "BatchTimeout",
     "CommandNotFound",
     "CorruptShard",
+    "InvalidState",
     "LoaderClosed",
     "SchemaMismatch",
     "ShardError",
@@ -31,6 +34,7 @@ __all__ = [
     "StaleShard",
     "StreamError",
     "UnbatchableShard",
+    "UnsafeKey",
     "UnsafeShard",
     "WorkerDied",
     "add_note",
@@ -168,6 +172,15 @@ class BatchTimeout(StreamError, TimeoutError):
 
 class LoaderClosed(StreamError, RuntimeError):
     """The loader, stream or source was used after ``close()``."""
+
+
+class UnsafeKey(StreamError, ValueError):
+    """A shard key cannot be a file name and a command argument safely (``../x``, ``$(id)``)."""
+
+
+class InvalidState(StreamError, ValueError):
+    """A ``load_state_dict`` state is malformed, or was saved by a loader with other settings,
+    keys or epoch than this one: resuming from it would repeat or skip samples."""
 
 
 def add_note(exc: BaseException, note: str) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Iterable, Sequence, Union
 
+from .errors import UnsafeKey
+
 __all__ = ["Keys", "MAX_KEY_LENGTH", "check_keys", "keys_for_epoch", "validate_key"]
 
 Keys = Union[Sequence[Any], Iterable[Any], Callable[[int], Iterable[Any]]]
@@ -18,7 +20,7 @@ _KEY_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:=+@,-]*")
 
 
 def validate_key(key: Any) -> str:
-    """Return ``str(key)`` if it is safe as a file name and a command argument, else raise ValueError.
+    """Return ``str(key)`` if it is safe as a file name and a command argument, else raise UnsafeKey.
 
     Allowed: letters, digits and ``_ . : = + @ , -``, not starting with ``-`` or ``.``,
     at most 200 characters. Dates (``datetime.date``) and integers pass as they are.
@@ -29,7 +31,7 @@ def validate_key(key: Any) -> str:
     """
     text = str(key)
     if not text or len(text) > MAX_KEY_LENGTH or not _KEY_PATTERN.fullmatch(text) or ".." in text:
-        raise ValueError(
+        raise UnsafeKey(
             f"shard key {text[:80]!r} is not allowed: keys become file names and command "
             f"arguments, so they must be 1-{MAX_KEY_LENGTH} characters of letters, digits and "
             "'_.:=+@,-', must not start with '-' or '.', and must not contain '..', path "

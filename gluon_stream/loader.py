@@ -31,7 +31,7 @@ from ._mx import workers as mx_workers
 from ._mx.samples import SAMPLE_FORMATS
 from .batching import LAST_BATCH_MODES, BatchPlanner, Position, Segment, WindowMixer
 from .distributed import resolve_parts
-from .errors import LoaderClosed, StreamError
+from .errors import InvalidState, LoaderClosed, StreamError
 from .feed import Carry, Mixed, UnitFeed, WindowFeed
 from .paths import SamplePath, SlicePath
 from .progress import ProgressBar
@@ -333,8 +333,8 @@ class StreamLoader(Closing):
         """Continue from :meth:`state_dict` of a loader built with the same arguments.
 
         Raises:
-            ValueError: the state is not a StreamLoader state, a field is out of range, it was
-                saved with other settings, or the keys it refers to changed.
+            InvalidState: (a ValueError) the state is not a StreamLoader state, a field is out
+                of range, it was saved with other settings, or the keys it refers to changed.
         """
         position, delivered = decode_state(state, self._settings(), self.batch_size,
                                            lambda epoch: self.stream.epoch_keys(epoch)[2])
@@ -358,7 +358,7 @@ class StreamLoader(Closing):
             key = keys[seg.unit] if keys is not None else seg.key
             return self.stream.produce_now(key, seg.epoch, prepare)
         if keys is None:
-            raise StreamError("a state that carries samples of a mixed unit of an endless key "
+            raise InvalidState("a state that carries samples of a mixed unit of an endless key "
                               "iterator cannot be resumed: its shards cannot be named again")
         mixer = WindowMixer(self.shuffle_window, self.stream.seed, seg.epoch, first_unit=seg.unit)
         shards, units = {}, []

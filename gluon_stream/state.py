@@ -5,7 +5,7 @@ shard and the row inside it, and the samples carried from earlier shards) and en
 whether a loader can continue from it: the settings that decide the batches (seed, shuffle,
 batch size, parts), and the keys at the positions it refers to (a digest of the epoch's keys
 up to the next shard, and each carried segment's key). A state that does not fit is refused
-with a ValueError naming the field, never silently resumed elsewhere.
+with an InvalidState (a ValueError) naming the field, never silently resumed elsewhere.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import numbers
 from typing import Any, Mapping, Sequence
 
 from .batching import Position, Segment
+from .errors import InvalidState
 
 __all__ = ["STATE_VERSION", "decode_state", "encode_state", "keys_digest"]
 
@@ -55,7 +56,7 @@ def encode_state(position: Position, delivered: int, settings: Mapping[str, Any]
 def _int(state: Mapping[str, Any], field: str, minimum: int = 0) -> int:
     value = state[field]
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"state field {field!r} must be an integer >= {minimum}, got {value!r}")
+        raise InvalidState(f"state field {field!r} must be an integer >= {minimum}, got {value!r}")
     return int(value)
 
 
@@ -67,17 +68,17 @@ def decode_state(state: Mapping[str, Any], settings: Mapping[str, Any], batch_si
     epoch for this part (None when the keys are an endless iterator).
     """
     if not isinstance(state, Mapping):
-        raise ValueError(f"not a StreamLoader state: a dict is expected, got "
+        raise InvalidState(f"not a StreamLoader state: a dict is expected, got "
                          f"{type(state).__name__}")
     missing = {"version", "epoch", "shard", "offset", "batches", "carry"} - set(state)
     if missing:
-        raise ValueError(f"not a StreamLoader state: missing {sorted(missing)}")
+        raise InvalidState(f"not a StreamLoader state: missing {sorted(missing)}")
     if state["version"] != STATE_VERSION:
-        raise ValueError(f"state field 'version' is {state['version']!r}; this gluon_stream "
+        raise InvalidState(f"state field 'version' is {state['version']!r}; this gluon_stream "
                          f"reads version {STATE_VERSION}")
     differ = {k: (state.get(k), v) for k, v in settings.items() if state.get(k) != v}
     if differ:
-        raise ValueError(f"state was saved by a loader with other settings "
+        raise InvalidState(f"state was saved by a loader with other settings "
                          f"(saved, this one): {differ}; build the loader as before")
     epoch, unit, offset = _int(state, "epoch"), _int(state, "shard"), _int(state, "offset")
     delivered = _int(state, "batches")
@@ -91,25 +92,25 @@ def decode_state(state: Mapping[str, Any], settings: Mapping[str, Any], batch_si
 
 def _carry(segments: Any, epoch: int, batch_size: int) -> tuple[Segment, ...]:
     if not isinstance(segments, (list, tuple)):
-        raise ValueError(f"state field 'carry' must be a list of segments, got {segments!r}")
+        raise InvalidState(f"state field 'carry' must be a list of segments, got {segments!r}")
     out = []
     for i, seg in enumerate(segments):
         field = f"carry[{i}]"
         if not isinstance(seg, Mapping) or {"epoch", "index", "start", "end"} - set(seg):
-            raise ValueError(f"state field {field!r} must have epoch, index, key, start and end, "
+            raise InvalidState(f"state field {field!r} must have epoch, index, key, start and end, "
                              f"got {seg!r}")
         values = {name: _int(seg, name) for name in ("epoch", "index", "start", "end")}
         if values["epoch"] > epoch:
-            raise ValueError(f"state field '{field}.epoch' is {values['epoch']}, after the "
+            raise InvalidState(f"state field '{field}.epoch' is {values['epoch']}, after the "
                              f"state's epoch {epoch}")
         if values["end"] <= values["start"]:
-            raise ValueError(f"state field {field!r} holds no samples: start {values['start']}, "
+            raise InvalidState(f"state field {field!r} holds no samples: start {values['start']}, "
                              f"end {values['end']}")
         out.append(Segment(values["epoch"], values["index"], values["start"], values["end"],
                            seg.get("key")))
     carried = sum(s.size for s in out)
     if carried >= batch_size:
-        raise ValueError(f"state field 'carry' holds {carried} samples, a batch or more "
+        raise InvalidState(f"state field 'carry' holds {carried} samples, a batch or more "
                          f"(batch_size={batch_size}): not a state of this loader")
     return tuple(out)
 
@@ -120,11 +121,11 @@ def _check_keys(state: Mapping[str, Any], epoch: int, unit: int, keys: Sequence[
     if saved is None or keys is None:
         return
     if not isinstance(saved, Mapping) or {"count", "digest"} - set(saved):
-        raise ValueError(f"state field 'keys' must have count and digest, got {saved!r}")
+        raise InvalidState(f"state field 'keys' must have count and digest, got {saved!r}")
     now = list(keys[:unit + 1])
     if len(now) != saved["count"] or keys_digest(now) != saved["digest"]:
         found = _key(now[unit]) if unit < len(now) else None
-        raise ValueError(
+        raise InvalidState(
             f"the keys of epoch {epoch} changed since the state was saved: its first "
             f"{saved['count']} shard(s) (up to {saved.get('next')!r}, where it resumes) are not "
             f"the same now ({len(now)}, up to {found!r}); resuming would repeat or skip samples. "
@@ -136,7 +137,7 @@ def _check_segment_key(segment: Segment, keys: Sequence[Any] | None) -> None:
         return
     found = _key(keys[segment.unit]) if segment.unit < len(keys) else None
     if found != segment.key:
-        raise ValueError(
+        raise InvalidState(
             f"the keys of epoch {segment.epoch} changed since the state was saved: carried "
             f"samples came from shard {segment.unit} = {segment.key!r}, which is {found!r} now; "
             "resume with the keys the state was saved with")

@@ -19,9 +19,10 @@ def test_errors_share_a_base_and_builtins():
     assert issubclass(gs.ShardTimeout, gs.ShardError)
     assert issubclass(gs.ShardTimeout, TimeoutError)
     for cls in (gs.ShardError, gs.CorruptShard, gs.UnsafeShard, gs.SchemaMismatch,
-                gs.WorkerDied, gs.BatchTimeout, gs.LoaderClosed):
+                gs.WorkerDied, gs.BatchTimeout, gs.LoaderClosed, gs.UnsafeKey, gs.InvalidState):
         assert issubclass(cls, gs.StreamError)
-    assert issubclass(gs.CorruptShard, ValueError)
+    for cls in (gs.CorruptShard, gs.UnsafeKey, gs.InvalidState):
+        assert issubclass(cls, ValueError)  # except ValueError keeps working
 
 
 def test_import_without_mxnet_names_the_extra():

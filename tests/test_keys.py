@@ -21,11 +21,11 @@ def test_hostile_keys_are_refused_before_any_process_starts(tmp_path, key, monke
     before = set(os.listdir(tmp_path))
     src = source(tmp_path, "ok", keys=["good", key])
     with src:
-        with pytest.raises(ValueError, match=r"shard key .* is not allowed"):
+        with pytest.raises(gs.UnsafeKey, match=r"shard key .* is not allowed"):
             src.keys_for_epoch(0)  # the whole epoch is refused up front
-        with pytest.raises(ValueError, match=r"not allowed"):
+        with pytest.raises(gs.UnsafeKey, match=r"not allowed"):
             src.produce(key, 0)
-        with pytest.raises(ValueError, match=r"not allowed"), \
+        with pytest.raises(gs.UnsafeKey, match=r"not allowed"), \
                 gs.ShardStream(src) as stream:
             list(stream)
     assert runs(tmp_path) == []  # no generator ever ran, not even for the good key
@@ -43,6 +43,6 @@ def test_hostile_keys_fail_the_loader_before_any_process_starts(tmp_path):
     src = gs.CommandSource(["ok-key", "a;touch X"], command("ok", workdir=tmp_path),
                            cache_dir=tmp_path / "cache")
     with gs.StreamLoader(src, batch_size=4) as loader:
-        with pytest.raises(ValueError, match=r"'a;touch X' is not allowed"):
+        with pytest.raises(gs.UnsafeKey, match=r"'a;touch X' is not allowed"):
             list(loader)
     assert read_lines(tmp_path / "count") == []

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from gluon_stream.batching import Position, Segment
+from gluon_stream.errors import InvalidState
 from gluon_stream.state import STATE_VERSION, decode_state, encode_state, keys_digest
 
 SETTINGS = {"seed": 3, "shuffle": True, "batch_size": 4, "num_parts": 1, "part_index": 0,
@@ -28,12 +29,12 @@ def test_a_state_round_trips_through_json():
 def test_a_changed_key_list_or_carried_key_is_refused():
     state = encode_state(Position(0, 2, 1), 3, SETTINGS, KEYS)
     changed = KEYS[:1] + ["2024-02-02"] + KEYS[2:]
-    with pytest.raises(ValueError, match=r"keys of epoch 0 changed.*'2024-01-03'"):
+    with pytest.raises(InvalidState, match=r"keys of epoch 0 changed.*'2024-01-03'"):
         decode_state(state, SETTINGS, 4, lambda epoch: changed)
     assert decode_state(state, SETTINGS, 4, lambda epoch: KEYS[:3] + ["later"])  # after it
     carried = encode_state(Position(1, 0, 0, (Segment(0, 1, 2, 3, "2024-01-02"),)), 0, SETTINGS,
                            KEYS)
-    with pytest.raises(ValueError, match=r"carried samples came from shard 1 = '2024-01-02'"):
+    with pytest.raises(InvalidState, match=r"carried samples came from shard 1 = '2024-01-02'"):
         decode_state(carried, SETTINGS, 4, lambda epoch: changed)
 
 
@@ -54,14 +55,14 @@ def test_endless_keys_carry_no_digest_and_are_not_checked():
 ])
 def test_every_field_is_checked(change, match):
     state = dict(encode_state(Position(0, 1, 1), 1, SETTINGS, KEYS), **change)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(InvalidState, match=match):
         decode_state(state, SETTINGS, 4, keys_of)
 
 
 def test_not_a_state_at_all():
-    with pytest.raises(ValueError, match="a dict is expected"):
+    with pytest.raises(InvalidState, match="a dict is expected"):
         decode_state([1, 2], SETTINGS, 4, keys_of)
-    with pytest.raises(ValueError, match=r"missing \['batches', 'carry'"):
+    with pytest.raises(InvalidState, match=r"missing \['batches', 'carry'"):
         decode_state({"version": STATE_VERSION, "epoch": 0, "shard": 0, "offset": 0},
                      SETTINGS, 4, keys_of)
 
