@@ -10,6 +10,7 @@ carried before a failing shard), :attr:`UnitFeed.failure` the error to raise aft
 from __future__ import annotations
 
 import collections
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -99,21 +100,27 @@ class UnitFeed:
     def _next_shard(self) -> Shard | None:
         """The run's next shard; on a failure, the carried samples become :attr:`final`."""
         try:
-            shard = self.run.next_shard()
+            shard = self._take()
         except LoaderClosed:
             raise
         except Exception as exc:  # deliver what earlier shards left over first, then raise
             self._ended, self.failure = True, exc
             self.final = self.planner.flush(self.run.index)
             return None
+        if shard is not None:
+            self._accept(shard)
+        return shard
+
+    def _take(self) -> Shard | None:
+        try:
+            return self.run.next_shard()
         finally:
             self.shard_wait_s += self.run.last_wait_s
-        if shard is not None:
-            self.record.peak_prefetch = max(self.record.peak_prefetch,
-                                            self.run.ready_ahead() + 1)
-            self.samples += len(shard)
-            self.names = shard.names
-        return shard
+
+    def _accept(self, shard: Shard) -> None:
+        self.record.peak_prefetch = max(self.record.peak_prefetch, self.run.ready_ahead() + 1)
+        self.samples += len(shard)
+        self.names = shard.names
 
     def next(self) -> tuple[Any, UnitPlan] | None:
         if self._ended:
@@ -141,7 +148,10 @@ class WindowFeed(UnitFeed):
     :class:`~gluon_stream.batching.WindowMixer`); a shard is let go of once no later unit
     reads it. The shards held here and those in flight stay within ``budget``
     (``max(prefetch, window) + 1``), at least one always being produced ahead. The path's
-    ``mix`` gives a unit its data.
+    ``mix_later`` gives a unit its data in the background: when a unit is handed out and the
+    next shard is already produced, that shard is taken at once, so the next unit's data is
+    gathered while the loop trains on this one. A failure met that way is kept and raised
+    where the loop reaches it, as without the look-ahead.
     """
 
     def __init__(self, run: EpochRun, planner: BatchPlanner, carry: Carry, path: Any,
@@ -150,11 +160,13 @@ class WindowFeed(UnitFeed):
         self.mixer = mixer
         self.budget = budget  # shards held here plus shards in flight
         self._shards: dict[int, Shard] = {}
-        self._units: collections.deque[MixedUnit] = collections.deque()
+        self._units: collections.deque[tuple[MixedUnit, Future]] = collections.deque()
         self._drained = False
+        self._deferred: Any = None  # what the look-ahead met instead of a shard: _END, an error
 
     def ready(self) -> bool:
-        return bool(self._units) or self._ended or self._drained or self.run.ready()
+        return (bool(self._units) or self._ended or self._drained
+                or self._deferred is not None or self.run.ready())
 
     def next(self) -> tuple[Any, UnitPlan] | None:
         while not self._units:
@@ -163,21 +175,66 @@ class WindowFeed(UnitFeed):
             if self._drained:
                 self._end()
                 return None
-            self.run.max_pending = self.budget - len(self._shards)
+            self._limit_in_flight()
             shard = self._next_shard()
             if shard is None:
                 if self._ended:  # failed
                     return None
                 self._drained = True
-                self._units.extend(self.mixer.finish())
+                self._add_units(self.mixer.finish())
                 continue
-            self._shards[shard.index] = shard
-            self._units.extend(self.mixer.add(shard.index, len(shard)))
-        unit = self._units.popleft()
-        shards = {j: self._shards[j] for j in np.unique(unit.shards).tolist()}
-        newest = self._shards.get(unit.index)
-        mixed = self.path.mix(Mixed(unit, shards, newest.key if newest else None))
-        for j in unit.done:
+            self._add_shard(shard)
+        unit, pending = self._units.popleft()
+        mixed = pending.result()
+        for j in unit.done:  # only now: until gathered, the unit's shards count in the budget
             self._shards.pop(j, None)
         self.run.max_pending = self.budget - len(self._shards)
+        self._look_ahead()
         return mixed, self.planner.add(unit.index, len(unit), key=mixed.key)
+
+    def _take(self) -> Shard | None:
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            return super()._take()
+        if deferred is _END:
+            return None
+        raise deferred
+
+    def _look_ahead(self) -> None:
+        """Take the next shard if it is produced already, and start gathering its units."""
+        if self._units or self._drained or self._ended or self._deferred is not None:
+            return
+        self._limit_in_flight()
+        if not self.run.has_shard():
+            return
+        try:
+            shard = super()._take()
+        except LoaderClosed:
+            raise
+        except Exception as exc:  # e.g. a schema mismatch: raised where the loop reaches it
+            self._deferred = exc
+            return
+        if shard is None:
+            self._deferred = _END
+            return
+        self._accept(shard)
+        self._add_shard(shard)
+
+    def _limit_in_flight(self) -> None:
+        """Before taking a shard: the run refills as it hands one out, and that shard joins
+        those held, so one fewer may be in flight (the run keeps at least one)."""
+        self.run.max_pending = self.budget - len(self._shards) - 1
+
+    def _add_shard(self, shard: Shard) -> None:
+        self._shards[shard.index] = shard
+        self._add_units(self.mixer.add(shard.index, len(shard)))
+
+    def _add_units(self, units: list[MixedUnit]) -> None:
+        for unit in units:
+            shards = {j: self._shards[j] for j in np.unique(unit.shards).tolist()}
+            newest = self._shards.get(unit.index)
+            self._units.append((unit, self.path.mix_later(
+                Mixed(unit, shards, newest.key if newest else None))))
+
+
+_END = object()  # the look-ahead found the end of the epoch

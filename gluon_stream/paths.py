@@ -13,6 +13,7 @@ Both take a :class:`~gluon_stream.feed.UnitFeed` (units in order, each with its 
 from __future__ import annotations
 
 import collections
+import concurrent.futures as cf
 import itertools
 from typing import Any, Iterator
 
@@ -61,6 +62,7 @@ class SlicePath:
         self._left, self._feed = 0, None
         # bound methods: the stream compares prepare by identity
         self.prepare = self._ordered if mixed else self._to_ndarrays
+        self._mixer: cf.ThreadPoolExecutor | None = None
 
     def _to_ndarrays(self, arrays: tuple, order: np.ndarray | None, what: str) -> tuple:
         """Producer-side: the shard's rows in ``order`` as NDArrays (one copy, off the loop's path)."""
@@ -92,6 +94,13 @@ class SlicePath:
         mixed.shards = {}  # copied: the unit no longer keeps its shards alive
         return mixed
 
+    def mix_later(self, mixed: Mixed) -> cf.Future:
+        """:meth:`mix` in this path's mixing thread, off the loop's path (the gather of a unit
+        costs about one shard's copy, as the producer's copy of a shard does)."""
+        if self._mixer is None:
+            self._mixer = cf.ThreadPoolExecutor(1, thread_name_prefix="gluon_stream-mixer")
+        return self._mixer.submit(self.mix, mixed)
+
     def cut(self, unit: Any, segment: Segment) -> tuple:
         """Carried rows as a copy: a small leftover must not keep the whole unit alive."""
         return tuple(a[segment.start:segment.stop].copy() for a in unit.arrays)
@@ -120,7 +129,10 @@ class SlicePath:
         return self._left > 0 or (self._feed is not None and self._feed.ready())
 
     def close(self) -> None:
-        """Nothing owned."""
+        """End the mixing thread (a gather under way finishes first: it is a bounded copy)."""
+        mixer, self._mixer = self._mixer, None
+        if mixer is not None:
+            mixer.shutdown(wait=True, cancel_futures=True)
 
 
 class SamplePath:
@@ -149,6 +161,11 @@ class SamplePath:
     def mix(self, mixed: Mixed) -> Mixed:
         """A mixed unit needs no copy here: its batches name each sample's shard and row."""
         return mixed
+
+    def mix_later(self, mixed: Mixed) -> cf.Future:
+        done: cf.Future = cf.Future()
+        done.set_result(self.mix(mixed))
+        return done
 
     def cut(self, unit: Any, segment: Segment) -> tuple:
         if isinstance(unit, Mixed):

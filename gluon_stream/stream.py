@@ -550,6 +550,16 @@ class EpochRun:
         self._fill(self.stream.prefetch + 1)
         return not self.pending or self.pending[0][2].done()
 
+    def has_shard(self) -> bool:
+        """Whether the next shard is produced and good: :meth:`next_shard` hands it out at once."""
+        if self.cancelled or self.stream.closed:
+            return False
+        self._fill(self.stream.prefetch + 1)
+        if not self.pending:
+            return False
+        fut = self.pending[0][2]
+        return fut.done() and not fut.cancelled() and fut.exception() is None
+
     def ready_ahead(self) -> int:
         """Shards ahead of the consumer that are already produced."""
         return sum(1 for _, _, fut in self.pending if fut.done())

@@ -170,3 +170,69 @@ def test_a_window_needs_shuffle():
         gs.StreamLoader(gs.FunctionSource([0], id_shards([4])), batch_size=2, shuffle_window=3)
     with pytest.raises(ValueError, match="shuffle_window must be a positive integer"):
         make(0)
+
+
+def test_units_are_gathered_in_the_background_while_the_loop_trains_on_the_previous_one(
+        monkeypatch):
+    from gluon_stream._mx import arrays as mx_arrays
+    gathered = []  # (thread name, the loop's batches delivered so far)
+    delivered = [0]
+    real = mx_arrays.gather_to_ndarray
+
+    def spy(*args, **kw):
+        gathered.append((threading.current_thread().name, delivered[0]))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(mx_arrays, "gather_to_ndarray", spy)
+    sizes = [40] * 6
+    src = gs.FunctionSource(range(len(sizes)), id_shards(sizes))
+    with gs.StreamLoader(src, batch_size=8, shuffle=True, seed=3, shuffle_window=3,
+                         producers=2) as loader:
+        ids = []
+        for batch in loader:
+            ids.extend(batch_ids(batch))
+            delivered[0] += 1
+        threads = {t.name for t in threading.enumerate()}
+    assert sorted(ids) == all_ids(sizes)
+    assert gathered and all(name.startswith("gluon_stream-mixer") for name, _ in gathered)
+    # some unit after the first was gathered before the loop had used up the one before it
+    assert any(0 < done < 5 * (i + 1) for i, (_, done) in enumerate(gathered[1:])), gathered
+    assert any(name.startswith("gluon_stream-mixer") for name in threads)
+    assert not any(t.name.startswith("gluon_stream-mixer") for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("position", [2, 4])
+def test_a_failure_met_while_looking_ahead_is_raised_where_the_loop_reaches_it(position,
+                                                                               monkeypatch):
+    from gluon_stream import feed, stream
+    sizes = [12] * 6
+    with make(2, sizes=sizes, seed=5) as probe:
+        bad = probe.stream.epoch_keys(0)[2][position]  # the shard at this place of the order
+
+    def fn(key):  # the bad shard's arrays have another trailing shape: SchemaMismatch
+        ids, half = id_shards(sizes)(key)
+        return (np.stack([ids, ids], axis=1), half) if key == bad else (ids, half)
+
+    def run():
+        with gs.StreamLoader(gs.FunctionSource(range(6), fn), batch_size=4, shuffle=True,
+                             seed=5, shuffle_window=2, prefetch=3, producers=3) as loader:
+            got = []
+            with pytest.raises(gs.SchemaMismatch):
+                for batch in loader:
+                    got.extend(batch_ids(batch))
+        return got
+
+    deferred = []
+    look_ahead = feed.WindowFeed._look_ahead
+
+    def spy(self):
+        look_ahead(self)
+        if isinstance(self._deferred, Exception):
+            deferred.append(self._deferred)
+
+    monkeypatch.setattr(feed.WindowFeed, "_look_ahead", spy)
+    monkeypatch.setattr(stream.EpochRun, "has_shard", lambda self: self.ready())  # always ahead
+    ahead = run()
+    assert deferred, "the look-ahead never met the failing shard"
+    monkeypatch.setattr(stream.EpochRun, "has_shard", lambda self: False)  # never ahead
+    assert ahead == run() and ahead  # the same batches, then the same error
