@@ -17,9 +17,10 @@ turn), ``dataloader-per-shard`` (the usual advice: ``DataLoader(num_workers=N,
 last_batch='rollover')`` rebuilt per shard), ``prefetching-iter`` (a hand-built pipeline:
 generator threads fill a queue behind a custom ``mx.io.DataIter`` wrapped in
 ``mx.io.PrefetchingIter``), and ``StreamLoader``: ``gluon_stream`` (the library's defaults,
-one producer), ``-nw`` (``num_workers=N`` as users copy it; batches are still slices),
-``-batchify`` and ``-batchify-nw`` (a ``batchify_fn`` selects the per-shard DataLoader path, with
-0 and N thread workers) and ``-recommended`` (P producers). ``ideal`` is the lower bound from
+``producers='auto'``), ``-nw`` (``num_workers=N`` as users copy it; batches are still
+slices), ``-batchify`` and ``-batchify-nw`` (a ``batchify_fn`` selects the per-sample path: in
+the loop's thread, and in N worker processes), ``-recommended`` (P producers) and ``-window4``
+(P producers, ``shuffle_window=4``: batches mix four shards). ``ideal`` is the lower bound from
 component costs measured in the same round (by ``naive``) for P producers: ``max(first shard's
 generate+load+transform + all steps, ceil(shards / P) generations + one load+transform + one
 shard's steps)``. ``wave bound`` counts the steps of every shard of the last wave of parallel

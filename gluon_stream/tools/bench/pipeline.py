@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 PIPELINE_SCENARIOS = {"balanced": 1.0, "generation-bound": 4.0, "training-bound": 0.25}
 PIPELINE_CONTENDERS = ("naive", "dataloader-per-shard", "prefetching-iter", "gluon_stream",
                        "gluon_stream-nw", "gluon_stream-batchify", "gluon_stream-batchify-nw",
-                       "gluon_stream-recommended")
+                       "gluon_stream-recommended", "gluon_stream-window4")
 GENERATOR_TIMEOUT_S = 600.0
 
 
@@ -201,12 +201,13 @@ def _pipeline_contenders(workload: Workload) -> dict[str, tuple[Callable, dict]]
     nw = workload.num_workers
     shared = {"producers": workload.producers, "prefetch": workload.prefetch}
     gs_options = {
-        "gluon_stream": {},  # the library's defaults: one producer, prefetch 2, no workers
+        "gluon_stream": {},  # the library's defaults: producers='auto', prefetch 2, no workers
         "gluon_stream-nw": dict(shared, num_workers=nw),
         "gluon_stream-batchify": dict(shared, batchify_fn=default_batchify_fn),
         "gluon_stream-batchify-nw": dict(shared, batchify_fn=default_batchify_fn,
                                          num_workers=nw),
         "gluon_stream-recommended": dict(shared),
+        "gluon_stream-window4": dict(shared, shuffle_window=4),  # batches mix 4 shards
     }
     out: dict[str, tuple[Callable, dict]] = {
         "naive": (_naive, {}),

@@ -3,7 +3,13 @@ from __future__ import annotations
 
 from .pipeline import PIPELINE_SCENARIOS
 
-__all__ = ["fmt", "format_results", "targets"]
+__all__ = ["UNBOUNDED", "fmt", "format_results", "targets"]
+
+# Contenders whose epochs the ideal does not bound: it counts no per-sample work (batchify
+# runs per batch, in the loop's thread or as the loop receives it), and a shuffle window
+# withholds (k - 1) / 2 shards' samples at an epoch's start. Their figures are reported as
+# measured, against the per-shard DataLoader.
+UNBOUNDED = ("gluon_stream-batchify", "gluon_stream-batchify-nw", "gluon_stream-window4")
 
 
 def targets(results: dict) -> list[dict]:
@@ -24,10 +30,13 @@ def targets(results: dict) -> list[dict]:
         for name, c in res["contenders"].items():
             if not name.startswith("gluon_stream"):
                 continue
-            add(f"{scenario}: {name} x ideal", c["x_ideal"], limit, "<=")
             if scenario == "balanced":
                 add(f"balanced: {name} speed-up vs dataloader-per-shard",
                     c["speedup_vs_dataloader_per_shard"], 2.0, ">=")
+            if name in UNBOUNDED:
+                continue
+            add(f"{scenario}: {name} x ideal", c["x_ideal"], limit, "<=")
+            if scenario == "balanced":
                 add(f"balanced: {name} stall % after first batch", c["stall_pct"], 5.0, "<=")
             if scenario == "training-bound":
                 add(f"training-bound: {name} rotation ms (prefetched)", c["rotation_ms"],
