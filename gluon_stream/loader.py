@@ -403,7 +403,7 @@ class StreamLoader(Closing):
             feed = UnitFeed(run, planner, carry, self._path, record)
         last = None  # the last batch delivered, repeated if skipped shards leave a part short
         self._position, self._delivered = start, delivered
-        last_unit, shard_wait = None, 0.0
+        last_unit, shard_wait, waits = None, 0.0, 0
         run.start()  # producers start on the first shards before anything below can wait
         batches = self._path.batches(feed, carry)
         if self.ctx is not None and not self.shards_on_ctx:
@@ -417,10 +417,12 @@ class StreamLoader(Closing):
                     record.first_batch_s = now - t_start
                 record.stall_s += now - waiting_since
                 unit = planned.segments[-1].unit
-                if last_unit is not None and unit != last_unit:  # the first batch of a shard
-                    waited = feed.shard_wait_s - shard_wait  # for production: not rotation
+                if last_unit is not None and unit != last_unit and run.waits == waits:
+                    # the first batch of a shard that was produced in time: what switching to
+                    # it cost (after a wait for production, refilling the workers is a stall)
+                    waited = feed.shard_wait_s - shard_wait
                     record.rotation_s.append(max(0.0, now - waiting_since - waited))
-                last_unit, shard_wait = unit, feed.shard_wait_s
+                last_unit, shard_wait, waits = unit, feed.shard_wait_s, run.waits
                 stats.add_span("train", "wait", waiting_since, now)
                 record.batches += 1
                 record.samples += planned.size

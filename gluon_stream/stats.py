@@ -80,8 +80,8 @@ class EpochRecord:
         wall_s: Seconds from the start of the pass to its end (or to the latest batch).
         stall_s: Seconds the training loop waited for batches (the "wait" spans).
         first_batch_s: Seconds until the first batch (start-up latency), None before it.
-        rotation_s: Per shard boundary, seconds the switch to the next shard cost beyond
-            waiting for that shard to be produced.
+        rotation_s: Per shard boundary where the next shard was produced in time, seconds
+            the switch to it cost (boundaries that waited for production count as stall).
         peak_prefetch: Most shards held at once (the current one plus those ready ahead).
         skipped_shards: Shards dropped by ``on_error='skip'``.
         complete: The pass ran to its end (not broken out of).

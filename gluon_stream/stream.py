@@ -504,6 +504,7 @@ class EpochRun:
         self.exhausted = False
         self.key_error: BaseException | None = None
         self.last_wait_s = 0.0
+        self.waits = 0  # times a shard was asked for before it was produced
         self.max_pending: int | None = None
 
     def _submit(self, key: Any, index: int) -> cf.Future:
@@ -630,6 +631,7 @@ class EpochRun:
         # cf.wait, not result(timeout=): since Python 3.11 cf.TimeoutError is the built-in
         # TimeoutError, so a shard that failed with ShardTimeout would look 'not ready yet'
         if not fut.done():
+            self.waits += 1
             self.stream._waited(key)
         while not cf.wait([fut], timeout=WAIT_SLICE_S).done:
             self.stream.check_open()

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 
 import numpy as np
 import pytest
 
 import gluon_stream as gs
-from _helpers import FakeClock, known_stats
+from _helpers import FakeClock, known_stats, wait_for
 from gluon_stream.stats import Stats
 
 def test_totals_lanes_and_summary_from_known_spans():
@@ -128,3 +129,30 @@ def test_an_interrupted_pass_is_marked_in_the_summary():
     rows = stats.summary().splitlines()
     assert rows[1].split()[0] == "0*" and rows[2].split()[0] == "0"
     assert rows[-1].startswith("* a pass that was interrupted")
+
+
+@pytest.mark.mxnet
+def test_rotation_is_timed_only_at_boundaries_whose_shard_was_ready():
+    """A boundary that waited for production is a stall, not a slow switch."""
+    gate = threading.Event()
+
+    def fn(key):
+        if key == 2:
+            assert gate.wait(30), "the loop never waited for shard 2"
+        return np.arange(8.0) + 10 * key
+
+    with gs.StreamLoader(gs.FunctionSource(range(3), fn), batch_size=4, producers=2) as loader:
+        it = iter(loader)
+        next(it), next(it)  # shard 0
+        wait_for(loader._path.ready, what="shard 1 produced")
+        next(it), next(it)  # shard 1, produced before the loop asked for it
+        real = loader.stream._waited
+
+        def waited(key):  # shard 2 is released only once the loop waits for it
+            gate.set()
+            real(key)
+
+        loader.stream._waited = waited
+        assert [b.asnumpy().tolist() for b in it] == [[20.0, 21, 22, 23], [24.0, 25, 26, 27]]
+    record = loader.stats.epochs[-1]
+    assert len(record.rotation_s) == 1 and record.stall_s > 0
