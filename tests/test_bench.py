@@ -44,8 +44,11 @@ def test_bench_runs_end_to_end_and_json_has_every_contender_and_figure(tmp_path,
             # per-shard loaders drop each shard's leftover; StreamLoader carries it over
             assert figures["batches"] == (5 if name.startswith("gluon_stream") else 4), name
             assert figures["wall_s"] > 0 and figures["x_ideal"] > 0, name
-            if name.startswith("gluon_stream") or name in ("naive", "dataloader-per-shard"):
+            if name in ("naive", "dataloader-per-shard"):
                 assert figures["rotation_ms"] is not None, name
+            # StreamLoader times only boundaries whose shard was ready: with no training step
+            # the loop may wait at every one, and then there is no rotation to show
+            assert figures["rotation_ms"] is None or figures["rotation_ms"] >= 0, name
     for shape in bench.THROUGHPUT_SHAPES:
         contenders = results["throughput"][shape]["contenders"]
         assert set(contenders) == set(bench.THROUGHPUT_CONTENDERS)
@@ -55,7 +58,8 @@ def test_bench_runs_end_to_end_and_json_has_every_contender_and_figure(tmp_path,
     assert set(per["in_memory"]) == set(bench.PERSAMPLE_CONTENDERS)
     assert all(c["samples_per_s"] > 0 for c in per["in_memory"].values())
     assert set(per["streaming"]["contenders"]) == {"dataloader-per-shard", "gluon_stream"}
-    assert per["streaming"]["ideal_s"] > 0 and per["streaming"]["rotation_ms"] is not None
+    assert per["streaming"]["ideal_s"] > 0
+    assert per["rotation"]["step_ms"] > 0 and per["rotation"]["boundaries"] >= 1
     assert set(results["placement"]["ms_per_batch"]) == {"as_in_context in the loop", "ctx="}
     assert set(results["mixing"]["distinct_shards_per_batch"]) == {"1", "2", "4", "8"}
     assert "per-sample" in printed and "placement" in printed and "shuffle_window" in printed

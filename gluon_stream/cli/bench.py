@@ -51,9 +51,9 @@ def register(subparsers: Any) -> None:
                         help="samples of the 30x16 throughput array (the 8-float one gets 5x)")
     parser.add_argument("--throughput-batch-size", type=positive_int, default=256,
                         help="batch size of the throughput scenario")
-    parser.add_argument("--memory-rows", type=positive_int, default=20000,
-                        help="raw rows per shard of the memory scenario")
-    parser.add_argument("--memory-epochs", type=positive_int, default=50,
+    parser.add_argument("--memory-rows", type=positive_int, default=78000,
+                        help="raw rows per shard of the memory scenario (78000: 38.4 MB shards)")
+    parser.add_argument("--memory-epochs", type=positive_int, default=20,
                         help="epochs of the memory scenario")
     parser.add_argument("--persample-images", type=positive_int, default=1500,
                         help="images per shard in the per-sample scenario (6 shards; default "

@@ -10,6 +10,10 @@ processes (Gluon's default) and 2 threads, against StreamLoader with 0 workers, 
 shard's augmentation takes), against the usual advice (a ``DataLoader(num_workers=2)`` per
 shard, forked and fed again for each) and the ideal (the first shard's generation, then all
 the augmentation at the rate the in-memory StreamLoader reaches in the same round).
+
+``rotation``: what switching to the next shard costs on this path (num_workers=2), with the
+shards in memory and a training step 1.5x a batch's augmentation, so that the workers can keep
+ahead; the streaming run's no-op step makes every batch wait for the workers.
 """
 from __future__ import annotations
 
@@ -104,6 +108,18 @@ def _streaming(name: str, shards: list, batch_size: int, delay: float, seed: int
         probe.rotation_s.extend(loader.stats.epochs[-1].rotation_s)
 
 
+def _rotations(shards: list, batch_size: int, seed: int, step_s: float) -> list[float]:
+    """Seconds each switch to the next shard cost, with a training step the workers keep
+    ahead of (in a loop bound by the workers every batch waits for one, boundary or not)."""
+    with StreamLoader(FunctionSource(range(len(shards)), lambda k: shards[k]),
+                      batch_size=batch_size, shuffle=True, seed=seed, sample_transform=augment,
+                      num_workers=2) as loader:
+        for batch in loader:
+            _no_step(batch)
+            time.sleep(step_s)  # stands in for the accelerator's step
+        return list(loader.stats.epochs[-1].rotation_s)
+
+
 def run_persample_scenario(rounds: int, shards: int = 6, images: int = 1500,
                            batch_size: int = 64, seed: int = 0,
                            contenders: Any = None) -> dict:
@@ -142,6 +158,10 @@ def run_persample_scenario(rounds: int, shards: int = 6, images: int = 1500,
                                     "rounds": w} for n, w in walls.items()}}
     streaming["speedup_vs_dataloader_per_shard"] = median(
         [d / g for d, g in zip(walls["dataloader-per-shard"], walls["gluon_stream"])])
-    streaming["rotation_ms"] = median(rotations)
+    streaming["rotation_ms"] = median(rotations)  # in a worker-bound loop: a batch's wait
+    step_s = 1.5 * batch_size / gs_rate  # a step the workers keep ahead of
+    switches = [s for _ in range(rounds) for s in _rotations(data, batch_size, seed, step_s)]
+    rotation = {"step_ms": step_s * 1e3, "boundaries": len(switches),
+                "rotation_ms": median([s * 1e3 for s in switches])}
     return {"shards": shards, "images": images, "batch_size": batch_size,
-            "in_memory": in_memory, "streaming": streaming}
+            "in_memory": in_memory, "streaming": streaming, "rotation": rotation}
