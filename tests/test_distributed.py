@@ -78,9 +78,29 @@ def test_even_batches_without_any_size_known(num_parts, options):
         assert len(flat) == len(set(flat))  # disjoint
         assert len(flat) >= sum(SIZES) - (num_parts - 1) * len(SIZES)
         assert set(flat) <= {1000 * k + i for k, n in enumerate(SIZES) for i in range(n)}
+
     assert part(0, 0) == part(0, 0)  # deterministic
     if options.get("shuffle"):
         assert part(0, 0) != part(0, 1)  # and another order each epoch
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_even_batches_without_sizes_resume_exactly_at_every_batch(rank):
+    def make():
+        src = gs.FunctionSource(range(len(SIZES)), id_shards(SIZES))
+        return gs.StreamLoader(src, batch_size=4, num_parts=2, part_index=rank, seed=3,
+                               shuffle=True, even_batches=True)
+
+    with make() as loader:
+        reference = [batch_ids(b) for b in loader]
+    for cut in range(1, len(reference)):
+        with make() as first:
+            head = [batch_ids(b) for _, b in zip(range(cut), first)]
+            state = first.state_dict()
+        with make() as second:
+            second.load_state_dict(state)
+            assert second.stream.deal == "samples"
+            assert head + [batch_ids(b) for b in second] == reference, f"cut at {cut}"
 
 
 def test_even_batches_refuses_what_it_cannot_keep_equal():
