@@ -25,16 +25,17 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Literal, Sequence
 
 import numpy as np
 
 from ._random import seeded_rng
 
-__all__ = ["LAST_BATCH_MODES", "Batch", "BatchPlanner", "MixedUnit", "Position", "Segment",
+__all__ = ["LAST_BATCH_MODES", "Batch", "LastBatch", "BatchPlanner", "MixedUnit", "Position", "Segment",
            "UnitPlan", "WindowMixer", "runs"]
 
 LAST_BATCH_MODES = ("keep", "discard", "rollover")
+LastBatch = Literal["keep", "discard", "rollover"]  # what to do with an epoch's short tail
 
 
 @dataclass(frozen=True)

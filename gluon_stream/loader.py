@@ -28,13 +28,14 @@ from ._lifecycle import check_owner, track
 from ._mx import arrays as mx_arrays
 from ._mx import require_mxnet
 from ._mx import workers as mx_workers
-from ._mx.samples import SAMPLE_FORMATS
-from .batching import LAST_BATCH_MODES, BatchPlanner, Position, Segment, WindowMixer
+from ._mx.samples import SAMPLE_FORMATS, SampleFormat
+from .batching import LAST_BATCH_MODES, BatchPlanner, LastBatch, Position, Segment, WindowMixer
 from .distributed import resolve_parts
 from .errors import InvalidState, LoaderClosed, StreamError
 from .feed import Carry, Mixed, UnitFeed, WindowFeed
 from .paths import SamplePath, SlicePath
 from .progress import ProgressBar
+from .retry import OnError
 from .sources import CachingSource, FileSource, Source
 from .state import decode_state, encode_state
 from .stats import Stats
@@ -133,14 +134,14 @@ class StreamLoader(Closing):
     def __init__(self, source: Source | ShardStream, batch_size: int, *,
                  transform: Callable[[Any], Any] | None = _validate.UNSET,
                  sample_transform: Callable[..., Any] | None = None,
-                 sample_format: str = "auto", shuffle: bool = _validate.UNSET,
+                 sample_format: SampleFormat = "auto", shuffle: bool = _validate.UNSET,
                  shuffle_window: int = 1, seed: int | None = _validate.UNSET,
-                 last_batch: str = "keep", num_workers: int = 0,
+                 last_batch: LastBatch = "keep", num_workers: int = 0,
                  thread_pool: bool = False,
                  batchify_fn: Callable[[list], Any] | None = None, pin_memory: bool = False,
                  pin_device_id: int = 0, timeout: float = 120,
                  prefetch: int = _validate.UNSET, producers: int | Executor = _validate.UNSET,
-                 on_error: Any = _validate.UNSET,
+                 on_error: OnError = _validate.UNSET,
                  schema: Sequence[tuple[Any, Sequence[int]]] | None = _validate.UNSET,
                  stats: Stats | None = _validate.UNSET, progress: bool = False,
                  num_parts: int | str = _validate.UNSET, part_index: int | str = _validate.UNSET,

@@ -8,13 +8,14 @@ change the outcome (:func:`is_permanent`), and how long to wait before it
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Literal, Tuple, Union
 
 from .errors import CommandNotFound, CorruptShard, SchemaMismatch, UnsafeShard
 
-__all__ = ["ON_ERROR_MODES", "ErrorPolicy", "RetryPolicy", "is_permanent"]
+__all__ = ["ON_ERROR_MODES", "ErrorPolicy", "OnError", "RetryPolicy", "is_permanent"]
 
 ON_ERROR_MODES = ("raise", "skip")
+OnError = Union[Literal["raise", "skip"], Tuple[str, int]]  # ("retry", n) for the tuple
 
 
 def is_permanent(exc: BaseException) -> bool:

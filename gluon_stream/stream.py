@@ -33,7 +33,7 @@ from ._random import key_hash, seeded_rng
 from ._mx import require_mxnet
 from .distributed import resolve_parts
 from .errors import LoaderClosed, SchemaMismatch, add_note
-from .retry import ErrorPolicy, is_permanent
+from .retry import ErrorPolicy, OnError, is_permanent
 from .shardfile import names_of, normalize_arrays
 from .sources import RawShard, Source
 from .stats import ShardRecord, Stats
@@ -197,7 +197,7 @@ class ShardStream(Closing):
     def __init__(self, source: Source, *, transform: Callable[[Any], Any] | None = None,
                  prefetch: int = 2, producers: int | str | cf.Executor = "auto",
                  shuffle: bool = False,
-                 seed: int | None = None, on_error: Any = "raise",
+                 seed: int | None = None, on_error: OnError = "raise",
                  schema: Sequence[tuple[Any, Sequence[int]]] | None = None,
                  stats: Stats | None = None, num_parts: int | str = 1,
                  part_index: int | str = 0, kvstore: Any = None,

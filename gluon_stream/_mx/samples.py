@@ -18,18 +18,19 @@ transform is applied as ``Dataset.transform`` does: ``fn(*sample)`` for a tuple.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import numpy as np
 
 from ..errors import add_note
 from . import require_mxnet
 
-__all__ = ["SAMPLE_FORMATS", "BatchMaker", "Refs"]
+__all__ = ["SAMPLE_FORMATS", "BatchMaker", "Refs", "SampleFormat"]
 
 logger = logging.getLogger(__name__)
 
 SAMPLE_FORMATS = ("auto", "numpy", "ndarray")
+SampleFormat = Literal["auto", "numpy", "ndarray"]
 _REJECTING_PACKAGES = ("mxnet", "gluoncv")
 
 #: A batch's samples: ``[(source id, rows), ...]``, rows a ``range`` or an index array.
