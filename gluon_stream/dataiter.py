@@ -43,8 +43,9 @@ class StreamIter(data_iter_base(), Closing):
     ``len(data_names)`` arrays become ``DataBatch.data``, the next ``len(label_names)``
     ``DataBatch.label``. When the shards name their arrays (``fn`` returned a dict, or an
     ``.npz`` saved by name) and every name is among them, arrays are matched by name instead:
-    ``{"softmax_label": y, "data": x}`` is not swapped. The iterator does not own the loader: close the loader yourself
-    (``with gs.StreamLoader(...) as loader:``). ``close()`` only ends the current pass.
+    ``{"softmax_label": y, "data": x}`` is not swapped. The iterator does not own the loader:
+    close the loader yourself (``with gs.StreamLoader(...) as loader:``). ``close()`` only ends
+    the current pass.
 
     Args:
         loader: A :class:`~gluon_stream.StreamLoader`.
