@@ -82,6 +82,19 @@ def batch_ids(batch) -> list:
     return [int(x) for x in first.asnumpy()]
 
 
+def epoch_batch_ids(loader, epochs, start_epoch=0, stop_after=None) -> list:
+    """Batch ids of epochs ``start_epoch .. epochs - 1``, stopping after ``stop_after`` batches
+    (the loader then sits mid-epoch, ready for ``state_dict()``)."""
+    batches = []
+    for epoch in range(start_epoch, epochs):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            batches.append(batch_ids(batch))
+            if stop_after is not None and len(batches) == stop_after:
+                return batches
+    return batches
+
+
 class FakeClock:
     """A clock only the test moves (reads from any thread are safe)."""
 

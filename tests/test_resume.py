@@ -7,7 +7,7 @@ import mxnet as mx
 import pytest
 
 import gluon_stream as gs
-from _helpers import batch_ids
+from _helpers import batch_ids, epoch_batch_ids
 
 pytestmark = pytest.mark.mxnet  # these tests use MXNet: warm its engine first
 
@@ -29,14 +29,7 @@ def make(**kw):
 
 
 def run(loader, start_epoch=0, stop_after=None):
-    batches = []
-    for epoch in range(start_epoch, EPOCHS):
-        loader.set_epoch(epoch)
-        for batch in loader:
-            batches.append(batch_ids(batch))
-            if stop_after is not None and len(batches) == stop_after:
-                return batches
-    return batches
+    return epoch_batch_ids(loader, EPOCHS, start_epoch, stop_after)
 
 
 @pytest.mark.parametrize("path", ["vectorised", "dataloader"])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import gluon_stream as gs
-from _helpers import all_ids, batch_ids, id_shards
+from _helpers import all_ids, batch_ids, epoch_batch_ids, id_shards
 
 pytestmark = pytest.mark.mxnet  # these tests use MXNet: warm its engine first
 
@@ -86,14 +86,7 @@ def test_resume_at_every_batch_gives_the_same_batches_twice_in_a_row(path):
     kw = dict(last_batch="rollover", **PATHS[path])
 
     def run(loader, stop=None, start_epoch=0):
-        out = []
-        for epoch in range(start_epoch, 2):
-            loader.set_epoch(epoch)
-            for b in loader:
-                out.append(batch_ids(b))
-                if stop is not None and len(out) == stop:
-                    return out
-        return out
+        return epoch_batch_ids(loader, 2, start_epoch, stop)
 
     with make(3, **kw) as loader:
         reference = run(loader)
