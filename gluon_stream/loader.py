@@ -360,7 +360,7 @@ class StreamLoader(Closing):
             return self.stream.produce_now(key, seg.epoch, prepare)
         if keys is None:
             raise InvalidState("a state that carries samples of a mixed unit of an endless key "
-                              "iterator cannot be resumed: its shards cannot be named again")
+                               "iterator cannot be resumed: its shards cannot be named again")
         mixer = WindowMixer(self.shuffle_window, self.stream.seed, seg.epoch, first_unit=seg.unit)
         shards, units = {}, []
         for j in range(mixer.first_shard(seg.unit, self.shuffle_window),
