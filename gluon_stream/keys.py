@@ -20,7 +20,7 @@ _KEY_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:=+@,-]*")
 
 
 def validate_key(key: Any) -> str:
-    """Return ``str(key)`` if it is safe as a file name and a command argument, else raise UnsafeKey.
+    """``str(key)`` if it is safe as a file name and a command argument, else UnsafeKey.
 
     Allowed: letters, digits and ``_ . : = + @ , -``, not starting with ``-`` or ``.``,
     at most 200 characters. Dates (``datetime.date``) and integers pass as they are.

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import numbers
 from typing import Any, Mapping, Sequence
 
+from . import _validate
 from .batching import Position, Segment
 from .errors import InvalidState
 
@@ -54,10 +54,10 @@ def encode_state(position: Position, delivered: int, settings: Mapping[str, Any]
 
 
 def _int(state: Mapping[str, Any], field: str, minimum: int = 0) -> int:
-    value = state[field]
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise InvalidState(f"state field {field!r} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
+    try:
+        return _validate.integer(f"state field {field!r}", state[field], minimum=minimum)
+    except ValueError as exc:
+        raise InvalidState(str(exc)) from None
 
 
 def decode_state(state: Mapping[str, Any], settings: Mapping[str, Any], batch_size: int,
@@ -69,17 +69,17 @@ def decode_state(state: Mapping[str, Any], settings: Mapping[str, Any], batch_si
     """
     if not isinstance(state, Mapping):
         raise InvalidState(f"not a StreamLoader state: a dict is expected, got "
-                         f"{type(state).__name__}")
+                           f"{type(state).__name__}")
     missing = {"version", "epoch", "shard", "offset", "batches", "carry"} - set(state)
     if missing:
         raise InvalidState(f"not a StreamLoader state: missing {sorted(missing)}")
     if state["version"] != STATE_VERSION:
         raise InvalidState(f"state field 'version' is {state['version']!r}; this gluon_stream "
-                         f"reads version {STATE_VERSION}")
+                           f"reads version {STATE_VERSION}")
     differ = {k: (state.get(k), v) for k, v in settings.items() if state.get(k) != v}
     if differ:
         raise InvalidState(f"state was saved by a loader with other settings "
-                         f"(saved, this one): {differ}; build the loader as before")
+                           f"(saved, this one): {differ}; build the loader as before")
     epoch, unit, offset = _int(state, "epoch"), _int(state, "shard"), _int(state, "offset")
     delivered = _int(state, "batches")
     carry = _carry(state["carry"], epoch, batch_size)
@@ -98,20 +98,20 @@ def _carry(segments: Any, epoch: int, batch_size: int) -> tuple[Segment, ...]:
         field = f"carry[{i}]"
         if not isinstance(seg, Mapping) or {"epoch", "index", "start", "end"} - set(seg):
             raise InvalidState(f"state field {field!r} must have epoch, index, key, start and end, "
-                             f"got {seg!r}")
+                               f"got {seg!r}")
         values = {name: _int(seg, name) for name in ("epoch", "index", "start", "end")}
         if values["epoch"] > epoch:
             raise InvalidState(f"state field '{field}.epoch' is {values['epoch']}, after the "
-                             f"state's epoch {epoch}")
+                               f"state's epoch {epoch}")
         if values["end"] <= values["start"]:
             raise InvalidState(f"state field {field!r} holds no samples: start {values['start']}, "
-                             f"end {values['end']}")
+                               f"end {values['end']}")
         out.append(Segment(values["epoch"], values["index"], values["start"], values["end"],
                            seg.get("key")))
     carried = sum(s.size for s in out)
     if carried >= batch_size:
         raise InvalidState(f"state field 'carry' holds {carried} samples, a batch or more "
-                         f"(batch_size={batch_size}): not a state of this loader")
+                           f"(batch_size={batch_size}): not a state of this loader")
     return tuple(out)
 
 
