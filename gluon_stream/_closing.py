@@ -1,6 +1,10 @@
-"""``with`` support for everything in gluon_stream that owns resources and has ``close()``."""
+"""``with`` support for everything in gluon_stream that owns resources and has ``close()``,
+and the one way a thread pool running user code is ended."""
 from __future__ import annotations
 
+import concurrent.futures as cf
+import threading
+import time
 from typing import Any, TypeVar
 
 _T = TypeVar("_T", bound="Closing")
@@ -17,3 +21,17 @@ class Closing:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def end_thread_pool(pool: cf.ThreadPoolExecutor, wait_s: float) -> list[threading.Thread]:
+    """Cancel what ``pool`` has not started and give its threads ``wait_s`` seconds in all to
+    finish what they run; the threads still running after that (stuck in Python code, which
+    cannot be interrupted from outside), for the caller to name in a WARNING."""
+    pool.shutdown(wait=False, cancel_futures=True)
+    deadline = time.monotonic() + wait_s
+    alive = []
+    for thread in list(getattr(pool, "_threads", ())):  # the stdlib keeps no public list
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            alive.append(thread)
+    return alive

@@ -19,7 +19,6 @@ import itertools
 import logging
 import os
 import threading
-import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -27,7 +26,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from . import _validate
-from ._closing import Closing
+from ._closing import Closing, end_thread_pool
 from ._lifecycle import check_owner, track
 from ._random import key_hash, seeded_rng
 from ._mx import require_mxnet
@@ -137,14 +136,10 @@ class _Resources:
         for run in list(self.runs):
             run.cancel()
         self.source.close()  # kills running generator process groups
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        deadline = time.monotonic() + CLOSE_WAIT_S
-        for thread in list(getattr(self.executor, "_threads", ())):
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():  # a Python transform/fn cannot be interrupted from outside
-                logger.warning("producer thread %s is still running a transform or a "
-                               "FunctionSource fn after close(); it ends when that call returns",
-                               thread.name)
+        for thread in end_thread_pool(self.executor, CLOSE_WAIT_S):
+            logger.warning("producer thread %s is still running a transform or a "
+                           "FunctionSource fn after close(); it ends when that call returns",
+                           thread.name)
 
 
 class ShardStream(Closing):

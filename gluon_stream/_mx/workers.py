@@ -41,6 +41,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .._closing import end_thread_pool
 from ..errors import BatchTimeout, LoaderClosed, WorkerDied, add_note
 from .samples import BatchMaker, Refs
 from .shm import SharedArrays, attach, dump_batch, load_batch, recv_fds, remove_worker_shm, send_fds
@@ -155,13 +156,9 @@ class ThreadWorkers(InlineWorkers):
     def close(self) -> None:
         self._closed.set()
         self.cancel_all()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        deadline = time.monotonic() + CLOSE_WAIT_S
-        for thread in list(getattr(self._pool, "_threads", ())):
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                logger.warning("worker thread %s is still running sample_transform/batchify_fn "
-                               "after close(); it ends when that call returns", thread.name)
+        for thread in end_thread_pool(self._pool, CLOSE_WAIT_S):
+            logger.warning("worker thread %s is still running sample_transform/batchify_fn "
+                           "after close(); it ends when that call returns", thread.name)
 
 
 @dataclass
