@@ -301,7 +301,7 @@ def _rows(arrays: tuple, rows: Any) -> tuple:
     """Copies of some rows of a shard's arrays (in shared memory, or plain numpy)."""
     if isinstance(arrays, mx_shm.SharedArrays):  # not mapped in this process
         return arrays.take(rows)
-    index = np.asarray(list(rows) if isinstance(rows, range) else rows, dtype=np.int64)
+    index = mx_arrays.row_index(rows)
     return tuple(a[index] for a in arrays)  # fancy indexing: np.take copies a strided input whole
 
 

@@ -1,14 +1,14 @@
 """NDArrays from numpy arrays: contexts, the one-copy shard conversion, joins across shards."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from . import require_mxnet
 
-__all__ = ["GATHER_CHUNK_BYTES", "as_in_context", "batch_context", "concat", "default_batchify_fn",
-           "gather_to_ndarray", "place", "to_ndarray"]
+__all__ = ["GATHER_CHUNK_BYTES", "as_in_context", "batch_context", "concat", "gather_to_ndarray",
+           "place", "row_chunks", "row_index", "to_ndarray"]
 
 GATHER_CHUNK_BYTES = 1 << 20
 
@@ -17,6 +17,27 @@ def batch_context(pin_memory: bool, pin_device_id: int) -> Any:
     """The context batches are allocated in: pinned host memory speeds up copies to a GPU."""
     mx = require_mxnet()
     return mx.cpu_pinned(pin_device_id) if pin_memory else mx.cpu()
+
+
+def row_index(rows: Any) -> np.ndarray:
+    """Row numbers (a ``range`` or a sequence of ints) as an index array for fancy indexing."""
+    return np.asarray(list(rows) if isinstance(rows, range) else rows, dtype=np.int64)
+
+
+def row_chunks(array: np.ndarray, order: np.ndarray | None, chunk_bytes: int = GATHER_CHUNK_BYTES
+               ) -> Iterator[tuple[int, np.ndarray]]:
+    """``(begin, rows)``: the rows of ``array`` (in ``order``, if given) as contiguous copies of
+    about ``chunk_bytes`` each, so that no permuted or contiguous copy of the whole exists.
+
+    Fancy indexing, not ``np.take``, which copies a strided input (sliding windows) whole.
+    """
+    rows = array.shape[0] if order is None else len(order)
+    row_bytes = max(1, array.itemsize * int(np.prod(array.shape[1:], dtype=np.int64)))
+    step = max(1, chunk_bytes // row_bytes)
+    for begin in range(0, rows, step):
+        end = min(rows, begin + step)
+        yield begin, (np.ascontiguousarray(array[begin:end]) if order is None
+                      else array[order[begin:end]])
 
 
 def to_ndarray(array: np.ndarray, ctx: Any, order: np.ndarray | None = None) -> Any:
@@ -34,13 +55,8 @@ def to_ndarray(array: np.ndarray, ctx: Any, order: np.ndarray | None = None) -> 
     if order is None and array.flags.c_contiguous:
         out._sync_copyfrom(array)
         return out
-    row_bytes = max(1, array.itemsize * int(np.prod(array.shape[1:], dtype=np.int64)))
-    step = max(1, GATHER_CHUNK_BYTES // row_bytes)
-    for begin in range(0, rows, step):  # a strided view is read a few MB at a time too
-        end = min(rows, begin + step)
-        chunk = (np.ascontiguousarray(array[begin:end]) if order is None
-                 else array[order[begin:end]])  # np.take would copy a strided input whole
-        out[begin:end]._sync_copyfrom(chunk)
+    for begin, chunk in row_chunks(array, order):  # a strided view is read in chunks too
+        out[begin:begin + len(chunk)]._sync_copyfrom(chunk)
     return out
 
 
@@ -82,21 +98,20 @@ def concat(parts: Sequence[Any]) -> Any:
     return nd.concat(*parts, dim=0, out=out)
 
 
-def default_batchify_fn() -> Any:
-    """Gluon's own batchify function (stacks samples into NDArrays)."""
-    return require_mxnet().gluon.data.dataloader.default_batchify_fn
+def _each_ndarray(data: Any, fn: Callable[[Any], Any]) -> Any:
+    """``data`` with ``fn`` applied to every NDArray in it (nested lists, tuples, dicts)."""
+    if isinstance(data, require_mxnet().nd.NDArray):
+        return fn(data)
+    if isinstance(data, (list, tuple)):
+        return type(data)(_each_ndarray(d, fn) for d in data)
+    if isinstance(data, dict):
+        return {k: _each_ndarray(v, fn) for k, v in data.items()}
+    return data
 
 
 def as_in_context(data: Any, ctx: Any) -> Any:
     """``data`` with every NDArray in it (nested lists, tuples, dicts) copied to ``ctx``."""
-    nd = require_mxnet().nd
-    if isinstance(data, nd.NDArray):
-        return data.as_in_context(ctx)
-    if isinstance(data, (list, tuple)):
-        return type(data)(as_in_context(d, ctx) for d in data)
-    if isinstance(data, dict):
-        return {k: as_in_context(v, ctx) for k, v in data.items()}
-    return data
+    return _each_ndarray(data, lambda array: array.as_in_context(ctx))
 
 
 def place(data: Any, ctx: Any) -> Any:
@@ -105,11 +120,6 @@ def place(data: Any, ctx: Any) -> Any:
     array. The copies are queued on MXNet's engine and run while the caller goes on."""
     if not isinstance(ctx, (list, tuple)):
         return as_in_context(data, ctx)
-    mx = require_mxnet()
-    if isinstance(data, mx.nd.NDArray):
-        return mx.gluon.utils.split_and_load(data, list(ctx), batch_axis=0, even_split=False)
-    if isinstance(data, (list, tuple)):
-        return type(data)(place(d, ctx) for d in data)
-    if isinstance(data, dict):
-        return {k: place(v, ctx) for k, v in data.items()}
-    return data
+    split_and_load = require_mxnet().gluon.utils.split_and_load
+    return _each_ndarray(data, lambda array: split_and_load(array, list(ctx), batch_axis=0,
+                                                             even_split=False))

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import require_mxnet
+from .arrays import row_chunks, row_index
 
 __all__ = ["SharedArrays", "attach", "dump_batch", "load_batch", "recv_fds", "remove_worker_shm",
            "send_fds"]
@@ -104,7 +105,7 @@ class SharedArrays(tuple):
 
     def take(self, rows: Any) -> tuple[np.ndarray, ...]:
         """Copies of some rows (a range or indices) of every array."""
-        index = np.asarray(list(rows) if isinstance(rows, range) else rows, dtype=np.int64)
+        index = row_index(rows)
         with _mapped(self.fd, self.layout) as views:
             return tuple(v[index] for v in views)
 
@@ -145,10 +146,8 @@ def _fill(views: list[np.ndarray], arrays: Sequence[np.ndarray], order: np.ndarr
         if order is None:
             dst[...] = src
         else:
-            # fancy indexing a few MB at a time (np.take would copy a strided input whole)
-            step = max(1, (4 << 20) // max(1, dst[:1].nbytes))
-            for begin in range(0, len(order), step):
-                dst[begin:begin + step] = src[order[begin:begin + step]]
+            for begin, rows in row_chunks(src, order):
+                dst[begin:begin + len(rows)] = rows
 
 
 def _nbytes(dtype: np.dtype, shape: tuple) -> int:
