@@ -2,16 +2,17 @@
 
 An epoch is a sequence of *units*, each read front to back: the shards in the order the stream
 delivers them or, with a shuffle window, units that each mix the samples of up to k
-consecutive shards (:class:`WindowMixer`). :class:`BatchPlanner` cuts them into batches of ``batch_size``: the
-samples left over at the end of a unit open the next unit's first batch, so every batch is full
-except possibly the last of the epoch, which ``last_batch`` decides (``'keep'`` yields it,
-``'discard'`` drops it, ``'rollover'`` carries it into the next epoch's first batch).
+consecutive shards (:class:`WindowMixer`). :class:`BatchPlanner` cuts them into batches of
+``batch_size``: the samples left over at the end of a unit open the next unit's first batch, so
+every batch is full except possibly the last of the epoch, which ``last_batch`` decides
+(``'keep'`` yields it, ``'discard'`` drops it, ``'rollover'`` carries it into the next epoch's
+first batch).
 
 A planned :class:`Batch` is a tuple of :class:`Segment` s (unit, start, stop) and the
 :class:`Position` the epoch stands at once it is delivered; a planner started at that position
 plans exactly the batches that would have followed. Both of the loader's paths (slices of a
-shard, and per-sample work in a DataLoader) consume these plans, so nothing here knows about
-arrays or MXNet.
+unit, and per-sample work on workers) consume these plans, so nothing here knows about arrays
+or MXNet.
 
 Example:
     >>> planner = BatchPlanner(4, "keep", Position(epoch=0))
@@ -29,6 +30,7 @@ from typing import Any, Iterator, Literal, Sequence
 
 import numpy as np
 
+from . import _validate
 from ._random import seeded_rng
 
 __all__ = ["LAST_BATCH_MODES", "Batch", "LastBatch", "BatchPlanner", "MixedUnit", "Position", "Segment",
@@ -138,10 +140,8 @@ class BatchPlanner:
     """
 
     def __init__(self, batch_size: int, last_batch: str, start: Position) -> None:
-        if last_batch not in LAST_BATCH_MODES:
-            raise ValueError(f"last_batch must be one of {LAST_BATCH_MODES}, got {last_batch!r}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        _validate.choice("last_batch", last_batch, LAST_BATCH_MODES)
+        _validate.integer("batch_size", batch_size, minimum=1)
         if start.carried >= batch_size:
             raise ValueError(f"a position carries {start.carried} samples, more than a batch "
                              f"({batch_size}) can hold")
@@ -266,8 +266,7 @@ class WindowMixer:
     SALT = 0x317D
 
     def __init__(self, window: int, seed: int, epoch: int, first_unit: int = 0) -> None:
-        if window < 1:
-            raise ValueError(f"shuffle_window must be a positive integer, got {window!r}")
+        _validate.integer("shuffle_window", window, minimum=1)
         self.window, self.seed, self.epoch = window, seed, epoch
         self.first_unit = first_unit
         self._next = self.first_shard(first_unit, window)

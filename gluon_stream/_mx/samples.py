@@ -22,6 +22,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 import numpy as np
 
+from .. import _validate
 from ..errors import add_note
 from . import require_mxnet
 
@@ -51,9 +52,7 @@ class BatchMaker:
     def __init__(self, sample_transform: Callable[..., Any] | None,
                  batchify_fn: Callable[[list], Any] | None, sample_format: str,
                  shared_memory: bool = False) -> None:
-        if sample_format not in SAMPLE_FORMATS:
-            raise ValueError(f"sample_format must be one of {SAMPLE_FORMATS}, got "
-                             f"{sample_format!r}")
+        _validate.choice("sample_format", sample_format, SAMPLE_FORMATS)
         self.sample_transform = sample_transform
         dataloader = require_mxnet().gluon.data.dataloader
         default = (dataloader.default_mp_batchify_fn if shared_memory
