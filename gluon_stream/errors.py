@@ -175,7 +175,8 @@ class LoaderClosed(StreamError, RuntimeError):
 
 
 class UnsafeKey(StreamError, ValueError):
-    """A shard key cannot be a file name and a command argument safely (``../x``, ``$(id)``)."""
+    """A shard key cannot be a file name and a command argument safely (``../x``, ``$(id)``),
+    or two keys would share one cache file (``1`` and ``'1'``)."""
 
 
 class InvalidState(StreamError, ValueError):

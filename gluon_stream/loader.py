@@ -265,7 +265,7 @@ class StreamLoader(Closing):
         why = []
         if stream.transform is not None:
             why.append("a transform may change the sample counts of the files")
-        if isinstance(source, CachingSource) and getattr(source, "_cache", None) is None:
+        if isinstance(source, CachingSource) and not source.cached:
             why.append("the shards are made by a function and not cached")
         elif isinstance(source, CachingSource):
             why.append("they are not in the cache yet")

@@ -371,7 +371,7 @@ def test_function_source_version_and_key_type(tmp_path, xattrs, caplog):
         assert src.produce("1", 0).arrays[0].tolist() == [4, 4]  # fn('1') is not fn(1)
     changes = " | ".join(stale_warnings(caplog))
     assert "version 'a' -> 'b'" in changes and "key_type 'int' -> 'str'" in changes
-    with pytest.raises(ValueError, match=r"keys 1 and '1' are different keys with one cache file"):
+    with pytest.raises(gs.UnsafeKey, match=r"keys 1 and '1' are different keys with one cache file"):
         gs.FunctionSource([1, "1"], lambda k: np.zeros(2), cache_dir=cache).keys_for_epoch(0)
     src = gs.FunctionSource([1, np.int64(1), 1], lambda k: np.zeros(2), cache_dir=cache)
     assert len(src.keys_for_epoch(0)[0]) == 3  # one key, spelled twice: fine

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from .._closing import Closing
 from ..cache import ShardCache, make_cache
-from ..errors import CorruptShard, LoaderClosed, ShardError, UnsafeShard
+from ..errors import CorruptShard, LoaderClosed, ShardError, UnsafeKey, UnsafeShard
 from ..keys import Keys, check_keys, keys_for_epoch, validate_key
 from ..shardfile import load_shard
 
@@ -106,6 +106,11 @@ class CachingSource(Source):
             if cache_dir is not None else None)
         self._mmap = mmap
 
+    @property
+    def cached(self) -> bool:
+        """Whether shards are kept in a ``cache_dir`` (else they are made each time)."""
+        return self._cache is not None
+
     def recipe(self, key: Any, epoch: int) -> Mapping[str, Any] | None:
         """What makes this key's shard (JSON-able); a cached shard made otherwise is stale."""
         return None
@@ -155,7 +160,7 @@ class CachingSource(Source):
                 name = self.shard_name(key, epoch)  # validates the key
                 other = seen.setdefault(name, key)
                 if not _same_key(other, key):
-                    raise ValueError(
+                    raise UnsafeKey(
                         f"keys {other!r} and {key!r} are different keys with one cache file "
                         f"{name!r}: they would share a shard; use keys of one type (e.g. all "
                         "str)")
