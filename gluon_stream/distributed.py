@@ -12,6 +12,8 @@ import logging
 import os
 from typing import Any, Mapping
 
+from . import _validate
+
 __all__ = ["resolve_parts"]
 
 logger = logging.getLogger(__name__)
@@ -75,8 +77,8 @@ def resolve_parts(num_parts: int | str = 1, part_index: int | str = 0, *, kvstor
         num_parts, part_index = next(iter(found.values()))
         logger.info("num_parts=%d, part_index=%d (from %s)", num_parts, part_index,
                     ", ".join(found))
-    if not isinstance(num_parts, int) or num_parts < 1:
-        raise ValueError(f"num_parts must be a positive integer or 'auto', got {num_parts!r}")
-    if not isinstance(part_index, int) or not 0 <= part_index < num_parts:
+    num_parts = _validate.integer("num_parts", num_parts, minimum=1, hint="or 'auto'")
+    part_index = _validate.integer("part_index", part_index, minimum=0, hint="or 'auto'")
+    if part_index >= num_parts:
         raise ValueError(f"part_index must be in [0, {num_parts}), got {part_index!r}")
     return num_parts, part_index

@@ -8,6 +8,7 @@ import re
 import stat
 from typing import Any, Mapping, Sequence
 
+from .. import _validate
 from ..cache import SUFFIXES
 from ..cache.recipe import recipe_digest
 from ..errors import CommandNotFound, CorruptShard, ShardError, ShardTimeout, UnsafeShard
@@ -68,12 +69,9 @@ class CommandSource(CachingSource):
                             "['./gen', '--date', '{key}', '--out', '{path}']; it never runs in a shell")
         if not any("{path}" in str(arg) for arg in command):
             raise ValueError("command must contain '{path}': the program writes the shard there")
-        if retries < 0:
-            raise ValueError(f"retries must be >= 0, got {retries!r}")
-        if timeout is not None and timeout <= 0:
-            raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
-        if suffix not in SUFFIXES:
-            raise ValueError(f"suffix must be '.npy' or '.npz', got {suffix!r}")
+        retries = _validate.integer("retries", retries, minimum=0)
+        timeout = _validate.seconds("timeout", timeout, allow_none=True)
+        _validate.choice("suffix", suffix, SUFFIXES)
         if cache_dir is None:
             raise ValueError("CommandSource needs a cache_dir: the program writes files there")
         super().__init__(keys, cache_dir, lock_timeout, mmap, cache_limit, on_change)
