@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["key_hash", "seeded_rng"]
+__all__ = ["batch_seed", "key_hash", "seeded_rng"]
 
 
 def seeded_rng(*parts: int) -> np.random.Generator:
@@ -17,3 +17,9 @@ def seeded_rng(*parts: int) -> np.random.Generator:
 def key_hash(key: Any) -> int:
     """A stable hash of a shard key (Python's hash() differs between processes)."""
     return zlib.crc32(str(key).encode("utf-8"))
+
+
+def batch_seed(seed: int, epoch: int, number: int) -> int:
+    """The seed of the global RNGs while batch ``number`` of ``epoch`` is made (per-sample
+    augmentation): the same for any worker count, different for every batch and epoch."""
+    return int(seeded_rng(seed, epoch, 0xBA7C, number).integers(2 ** 31))

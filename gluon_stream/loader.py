@@ -25,6 +25,7 @@ from . import _validate
 from ._closing import Closing
 from ._fsspec import is_url
 from ._lifecycle import check_owner, track
+from ._random import batch_seed
 from ._mx import arrays as mx_arrays
 from ._mx import require_mxnet
 from ._mx import workers as mx_workers
@@ -406,7 +407,9 @@ class StreamLoader(Closing):
         self._position, self._delivered = start, delivered
         last_unit, shard_wait, waits = None, 0.0, 0
         run.start()  # producers start on the first shards before anything below can wait
-        batches = self._path.batches(feed, carry)
+        seed = self.stream.seed
+        batches = self._path.batches(feed, carry, first=delivered,
+                                     seed_of=lambda n: batch_seed(seed, run.epoch, n))
         if self.ctx is not None and not self.shards_on_ctx:
             batches = self._placed(batches)
         try:

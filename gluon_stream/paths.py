@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import itertools
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -105,7 +105,8 @@ class SlicePath:
         """Carried rows as a copy: a small leftover must not keep the whole unit alive."""
         return tuple(a[segment.start:segment.stop].copy() for a in unit.arrays)
 
-    def batches(self, feed: UnitFeed, carry: Carry) -> Iterator[tuple[Batch, Any]]:
+    def batches(self, feed: UnitFeed, carry: Carry, first: int = 0,
+                seed_of: Callable[[int], int] | None = None) -> Iterator[tuple[Batch, Any]]:
         self._feed = feed
         while (item := feed.next()) is not None:
             unit, plan = item
@@ -152,6 +153,8 @@ class SamplePath:
         self._ids = itertools.count()
         self._window: collections.deque = collections.deque()
         self._sids: dict[int, int] = {}  # id(shard arrays) -> source id, while attached
+        self._numbers: Iterator[int] = itertools.count()  # the epoch's batch numbers
+        self._seed_of: Callable[[int], int] | None = None
 
     @staticmethod
     def _to_shared(arrays: tuple, order: np.ndarray | None, what: str) -> tuple:
@@ -174,8 +177,14 @@ class SamplePath:
             return tuple(np.concatenate(fields) for fields in zip(*parts))
         return _rows(unit.arrays, range(segment.start, segment.stop))
 
-    def batches(self, feed: UnitFeed, carry: Carry) -> Iterator[tuple[Batch, Any]]:
+    def batches(self, feed: UnitFeed, carry: Carry, first: int = 0,
+                seed_of: Callable[[int], int] | None = None) -> Iterator[tuple[Batch, Any]]:
+        """Batches made ahead by the workers; batch ``first + i`` of the epoch (counted from
+        the epoch's start, resumed ones included) is made with the global RNGs seeded from
+        ``seed_of(first + i)``, so random augmentation does not depend on the workers."""
         workers = self.workers
+        self._numbers = itertools.count(first)
+        self._seed_of = seed_of
         window = self._window = collections.deque()  # (batch, task id, what, sources)
         live: dict[int, int] = {}  # source id -> batches in flight (and units) that read it
         unit: Any = None
@@ -269,7 +278,9 @@ class SamplePath:
         tid = next(self._ids)
         for sid in sids:
             live[sid] = live.get(sid, 0) + 1
-        self.workers.submit(tid, refs, what, key)
+        number = next(self._numbers)
+        seed = self._seed_of(number) if self._seed_of is not None else None
+        self.workers.submit(tid, refs, what, key, seed=seed)
         return batch, tid, what, sids
 
     def _take(self, item: tuple, live: dict[int, int]) -> tuple[Batch, Any]:

@@ -87,7 +87,8 @@ class InlineWorkers:
     def detach(self, sid: int) -> None:
         self._sources.pop(sid, None)
 
-    def submit(self, tid: int, refs: Refs, what: str = "", key: Any = None) -> None:
+    def submit(self, tid: int, refs: Refs, what: str = "", key: Any = None,
+               seed: int | None = None) -> None:
         self._tasks[tid] = refs
 
     def result(self, tid: int, timeout: float, what: str = "") -> Any:
@@ -116,7 +117,8 @@ class ThreadWorkers(InlineWorkers):
         self._warm = False
         self._closed = threading.Event()
 
-    def submit(self, tid: int, refs: Refs, what: str = "", key: Any = None) -> None:
+    def submit(self, tid: int, refs: Refs, what: str = "", key: Any = None,
+               seed: int | None = None) -> None:
         sources = {sid: self._sources[sid] for sid, _ in refs}
         if not self._warm:  # hybrid blocks build their cache on the first call: not in parallel
             self._warm = True
@@ -254,7 +256,8 @@ class ProcessWorkers:
         for worker in list(self._workers):
             worker.conn.send(("detach", sid))
 
-    def submit(self, tid: int, refs: Refs, what: str = "", key: Any = None) -> None:
+    def submit(self, tid: int, refs: Refs, what: str = "", key: Any = None,
+               seed: int | None = None) -> None:
         self._tasks[tid] = _Task(refs, what, key)
         self._queue.append(tid)
         self._dispatch()
