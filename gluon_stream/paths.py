@@ -183,6 +183,7 @@ class SamplePath:
         the epoch's start, resumed ones included) is made with the global RNGs seeded from
         ``seed_of(first + i)``, so random augmentation does not depend on the workers."""
         workers = self.workers
+        workers.new_epoch()
         self._numbers = itertools.count(first)
         self._seed_of = seed_of
         window = self._window = collections.deque()  # (batch, task id, what, sources)

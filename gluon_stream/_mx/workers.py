@@ -98,6 +98,9 @@ class InlineWorkers:
         """Whether :meth:`result` would return without making or waiting for the batch."""
         return False
 
+    def new_epoch(self) -> None:
+        """An epoch's batches begin: per-epoch budgets (worker retries) start afresh."""
+
     def cancel_all(self) -> None:
         self._tasks.clear()
         self._sources.clear()
@@ -303,6 +306,9 @@ class ProcessWorkers:
                 if owner is not None:
                     self._receive(owner)
         return tid in self._results
+
+    def new_epoch(self) -> None:
+        """An epoch's batches begin: per-epoch budgets (worker retries) start afresh."""
 
     def cancel_all(self) -> None:
         """Forget every batch not yet taken; results still in flight are dropped on arrival."""
