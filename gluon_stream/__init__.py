@@ -35,6 +35,7 @@ __all__ = [
     "Source",
     "StaleShard",
     "Stats",
+    "StreamCheckpoint",
     "StreamError",
     "StreamIter",
     "StreamLoader",
@@ -43,20 +44,28 @@ __all__ = [
     "UnsafeShard",
     "WorkerDied",
     "__version__",
+    "do_checkpoint",
     "import_mxnet",
     "inspect_shard",
+    "load_checkpoint",
     "load_shard",
     "write_shard",
 ]
 
 
-def __getattr__(name: str) -> type:
-    """``StreamIter`` subclasses ``mx.io.DataIter``, so it is defined when first asked for."""
-    if name == "StreamIter":
-        from .dataiter import StreamIter
+_LAZY = {"StreamIter": "dataiter", "StreamCheckpoint": "checkpoint",
+         "do_checkpoint": "checkpoint", "load_checkpoint": "checkpoint"}
 
-        globals()["StreamIter"] = StreamIter
-        return StreamIter
+
+def __getattr__(name: str) -> object:
+    """Names whose module imports MXNet are imported when first asked for (``StreamIter``
+    subclasses ``mx.io.DataIter``, ``StreamCheckpoint`` the Estimator's ``CheckpointHandler``)."""
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'gluon_stream' has no attribute {name!r}")
 
 
