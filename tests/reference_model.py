@@ -1,0 +1,155 @@
+"""A pure-Python model of what StreamLoader promises: which samples form which batches.
+
+Nothing here imports gluon_stream or MXNet. The model states the promise from its definition,
+not from the loader's code, so that a test can drive the real loader through any combination
+of features and interruptions and compare the batches exactly:
+
+* **Order.** An epoch's shard order, each shard's row order and the mixing of a shuffle window
+  are drawn from ``(seed, epoch, purpose)`` by the recipe below (:func:`_rng`), the same on
+  every machine, so a resumed run, another worker setting or another host agree.
+* **Units.** Without a window an epoch is its shards in order; with ``shuffle_window=k`` it is
+  ``shards + k - 1`` units, unit ``t`` holding the ``(t - j)``-th of ``k`` slices of each shard
+  ``j`` in ``t - k + 1 .. t``, shuffled together. A skipped shard (``on_error='skip'``) is an
+  empty shard.
+* **Batches.** The units' samples, read in order, are cut into batches of ``batch_size``:
+  nothing lost or duplicated at unit boundaries. The epoch's short tail is yielded
+  (``'keep'``), dropped (``'discard'``) or opens the next epoch (``'rollover'``).
+* **Ranks.** ``num_parts`` deal each epoch's shards to the parts (``deal='shards'``), or every
+  part takes its stride of every shard's rows (``deal='samples'``).
+* **even_batches.** Every part yields only full batches, and (shards dealt, sizes declared)
+  the smallest part's count of them: a part that skipped shards repeats its last batch.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+SHARD_ORDER, SHARD_DEAL, WINDOW_MIX = 0x5EED, 0xDEA1, 0x317D
+
+
+def _rng(*parts: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]))
+
+
+def key_hash(key: Any) -> int:
+    return zlib.crc32(str(key).encode("utf-8"))
+
+
+class NoBatchToRepeat(Exception):
+    """even_batches: a part has no full batch to repeat while the others yield some."""
+
+
+@dataclass
+class Config:
+    keys: list
+    sizes: dict  # key -> samples
+    batch_size: int
+    last_batch: str = "keep"
+    shuffle: bool = False
+    seed: int = 0
+    shuffle_window: int = 1
+    num_parts: int = 1
+    part_index: int = 0
+    deal: str = "shards"
+    even_batches: bool = False
+    failing: frozenset = frozenset()  # keys whose shard fails every time (on_error='skip')
+    declared: dict | None = None  # shard_sizes= given to the loader (None: unknown)
+    sample_id: Callable[[Any, int], Any] = field(default=lambda key, row: 1000 * key + row)
+
+
+def epoch_keys(cfg: Config, epoch: int, part: int) -> list:
+    """The shards of one part in one epoch, in order."""
+    n = len(cfg.keys)
+    if cfg.num_parts > 1 and cfg.deal == "shards" and n:
+        mine = _rng(cfg.seed, epoch, SHARD_DEAL).permutation(n)[part::cfg.num_parts]
+        order = list(mine) if cfg.shuffle else sorted(mine)
+    elif cfg.shuffle and n:
+        order = list(_rng(cfg.seed, epoch, SHARD_ORDER).permutation(n))
+    else:
+        order = list(range(n))
+    return [cfg.keys[i] for i in order]
+
+
+def shard_rows(cfg: Config, epoch: int, part: int, key: Any) -> list[int]:
+    """The rows of a shard one part reads, in order."""
+    size = cfg.sizes[key]
+    rows = list(range(size))
+    if cfg.shuffle and size > 1:
+        rows = [int(r) for r in _rng(cfg.seed, epoch, key_hash(key)).permutation(size)]
+    if cfg.deal == "samples" and cfg.num_parts > 1:
+        rows = rows[part::cfg.num_parts][:size // cfg.num_parts]
+    return rows
+
+
+def epoch_units(cfg: Config, epoch: int, part: int) -> list[list]:
+    """An epoch's units for one part: lists of sample ids, read front to back."""
+    shards = []
+    for key in epoch_keys(cfg, epoch, part):
+        rows = [] if key in cfg.failing else shard_rows(cfg, epoch, part, key)
+        shards.append([cfg.sample_id(key, r) for r in rows])
+    k = cfg.shuffle_window
+    if k == 1:
+        return [s for key, s in zip(epoch_keys(cfg, epoch, part), shards)
+                if key not in cfg.failing]
+    units = []
+    for t in range(len(shards) + k - 1):
+        members = []
+        for j in range(max(0, t - k + 1), min(t, len(shards) - 1) + 1):
+            q, r = divmod(len(shards[j]), k)
+            piece = t - j
+            start = piece * q + min(piece, r)
+            members += [(j, row) for row in range(start, start + q + (piece < r))]
+        if len(members) > 1:
+            order = _rng(cfg.seed, epoch, t, WINDOW_MIX).permutation(len(members))
+            members = [members[i] for i in order]
+        units.append([shards[j][row] for j, row in members])
+    return units
+
+
+def part_total(cfg: Config, epoch: int, part: int) -> int:
+    """A part's samples in an epoch as the declared sizes count them (even_batches' limit)."""
+    sizes = cfg.declared if cfg.declared is not None else cfg.sizes
+    total = 0
+    for key in epoch_keys(cfg, epoch, part):
+        n = sizes[key]
+        total += n // cfg.num_parts if cfg.deal == "samples" and cfg.num_parts > 1 else n
+    return total
+
+
+def even_limit(cfg: Config, epoch: int) -> int | None:
+    """The batch count every part yields with even_batches (None: equal by construction)."""
+    if not cfg.even_batches or cfg.deal == "samples" or cfg.num_parts == 1:
+        return None  # equal by construction: every full batch
+    return min(part_total(cfg, epoch, p) for p in range(cfg.num_parts)) // cfg.batch_size
+
+
+def batches(cfg: Config, epochs: int, part: int | None = None) -> list[list[list]]:
+    """Every epoch's batches (lists of sample ids) for one part: ``result[epoch][i]``.
+
+    Raises :class:`NoBatchToRepeat` for an epoch in which even_batches cannot be kept.
+    """
+    part = cfg.part_index if part is None else part
+    bs = cfg.batch_size
+    carry: list = []
+    out = []
+    for epoch in range(epochs):
+        stream = carry + [s for unit in epoch_units(cfg, epoch, part) for s in unit]
+        full = len(stream) // bs
+        epoch_batches = [stream[i * bs:(i + 1) * bs] for i in range(full)]
+        tail = stream[full * bs:]
+        carry = tail if cfg.last_batch == "rollover" else []
+        if cfg.even_batches:
+            limit = even_limit(cfg, epoch)
+            if limit is not None:
+                if len(epoch_batches) < limit:
+                    if not epoch_batches:
+                        raise NoBatchToRepeat(f"epoch {epoch}: part {part} has no batch")
+                    epoch_batches += [epoch_batches[-1]] * (limit - len(epoch_batches))
+                epoch_batches = epoch_batches[:limit]
+        elif tail and cfg.last_batch == "keep":
+            epoch_batches.append(tail)
+        out.append(epoch_batches)
+    return out
