@@ -13,7 +13,7 @@ import math
 import numbers
 from typing import Any, Callable, Iterable
 
-__all__ = ["UNSET", "callable_or_none", "choice", "integer", "is_set", "seconds"]
+__all__ = ["UNSET", "callable_or_none", "choice", "integer", "is_int", "is_set", "seconds"]
 
 
 class _Unset:
@@ -44,6 +44,11 @@ def is_set(value: Any) -> bool:
     return value is not UNSET
 
 
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an integer by :func:`integer`'s rule (bools are not)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def integer(name: str, value: Any, *, minimum: int | None = None,
             hint: str = "") -> int:
     """``value`` as an int, or a ValueError naming ``name``; bools are refused.
@@ -52,7 +57,7 @@ def integer(name: str, value: Any, *, minimum: int | None = None,
         >>> integer("prefetch", 2, minimum=0)
         2
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not is_int(value):
         raise ValueError(_message(name, value, _int_rule(minimum), hint))
     value = int(value)
     if minimum is not None and value < minimum:

@@ -20,8 +20,9 @@ Example:
     [(4,)]
     >>> [b.sizes for b in planner.add(1, 3).batches()]
     [(2, 2)]
-    >>> planner.finish().sizes
-    (1,)
+    >>> final, end = planner.finish()
+    >>> final.sizes, end.end
+    ((1,), True)
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from . import _validate
 from ._random import seeded_rng
 
 __all__ = ["LAST_BATCH_MODES", "Batch", "LastBatch", "BatchPlanner", "MixedUnit", "Position", "Segment",
-           "UnitPlan", "WindowMixer", "runs"]
+           "UnitPlan", "WindowMixer"]
 
 LAST_BATCH_MODES = ("keep", "discard", "rollover")
 LastBatch = Literal["keep", "discard", "rollover"]  # what to do with an epoch's short tail
@@ -61,17 +62,27 @@ class Position:
 
     The next unread sample is row ``offset`` of unit ``unit`` of ``epoch``; ``carry`` holds
     samples already read from earlier units (or the previous epoch's rollover) that open the
-    next batch.
+    next batch. ``end``: every batch of the epoch is delivered (``carry`` is then what rolls
+    over into the next epoch); a pass resumed there yields nothing, and the next is ``epoch + 1``.
     """
 
     epoch: int
     unit: int = 0
     offset: int = 0
     carry: tuple[Segment, ...] = ()
+    end: bool = False
 
     @property
     def carried(self) -> int:
         return sum(s.size for s in self.carry)
+
+    def ended(self) -> "Position":
+        """This position, marked as the end of its epoch (nothing rolls over)."""
+        return Position(self.epoch, self.unit, 0, (), True)
+
+    def next_epoch(self) -> "Position":
+        """Where the next epoch starts once this one has ended: with what rolls over."""
+        return Position(self.epoch + 1, 0, 0, self.carry)
 
 
 @dataclass(frozen=True)
@@ -196,6 +207,11 @@ class BatchPlanner:
         leftover = tuple(s for s in self._carry if s.unit == unit and s.epoch == self.epoch)
         return UnitPlan(self.epoch, unit, length, bs, key, joined, full, leftover)
 
+    @property
+    def position(self) -> Position:
+        """Where the planner stands: the next unit it expects (the state before its first add)."""
+        return Position(self.epoch, self._next_unit, 0, tuple(self._carry))
+
     def flush(self, unit: int) -> Batch | None:
         """Deliver the carried samples now, as a short batch, because unit ``unit`` failed
         (None with ``'discard'``, or when nothing is carried)."""
@@ -204,22 +220,16 @@ class BatchPlanner:
             return None
         return Batch(tuple(carry), Position(self.epoch, unit, 0))
 
-    def finish(self) -> Batch | None:
-        """End of the epoch: the short tail as a batch with ``'keep'``, else None.
-
-        With ``'rollover'`` the tail stays in :attr:`carry` and :meth:`next_epoch` starts
-        with it; with ``'discard'`` it is dropped.
-        """
-        if self.last_batch == "rollover":
-            return None
-        carry, self._carry = self._carry, []
-        if not carry or self.last_batch == "discard":
-            return None
-        return Batch(tuple(carry), Position(self.epoch + 1))
-
-    def next_epoch(self) -> Position:
-        """Where the next epoch starts once this one is finished (the rollover, if any)."""
-        return Position(self.epoch + 1, 0, 0, tuple(self._carry))
+    def finish(self) -> tuple[Batch | None, Position]:
+        """End of the epoch: the short tail as a batch with ``'keep'`` (else None), and the end
+        position, which holds the tail with ``'rollover'`` (it opens the next epoch's first
+        batch; see :meth:`Position.next_epoch`)."""
+        carry, self._carry = tuple(self._carry), []
+        end = Position(self.epoch, self._next_unit, 0,
+                       carry if self.last_batch == "rollover" else (), True)
+        if not carry or self.last_batch != "keep":
+            return None, end
+        return Batch(carry, end), end
 
 
 # -- mixing shards: the samples of k consecutive shards in one shuffled unit ------------------------
@@ -322,14 +332,3 @@ class WindowMixer:
         if done >= 0:
             self._lengths.pop(done, None)
         return MixedUnit(t, shard_of, row_of, (done,) if done >= 0 else ())
-
-
-def runs(shards: Sequence[int], rows: Sequence[int]) -> list[tuple[int, list[int]]]:
-    """``(shard, [rows...])`` for each run of consecutive samples from the same shard."""
-    out: list[tuple[int, list[int]]] = []
-    for shard, row in zip(shards, rows):
-        if out and out[-1][0] == shard:
-            out[-1][1].append(int(row))
-        else:
-            out.append((int(shard), [int(row)]))
-    return out

@@ -1,26 +1,60 @@
-"""A loader's position as plain data, for exact resume: encoded, checked field by field, decoded.
+"""A loader's position as plain data, for exact resume: encoded, checked, decoded.
 
-The state names where the epoch stands (:class:`~gluon_stream.batching.Position`: the next
-shard and the row inside it, and the samples carried from earlier shards) and enough to tell
-whether a loader can continue from it: the settings that decide the batches (seed, shuffle,
-batch size, parts), and the keys at the positions it refers to (a digest of the epoch's keys
-up to the next shard, and each carried segment's key). A state that does not fit is refused
-with an InvalidState (a ValueError) naming the field, never silently resumed elsewhere.
+A :class:`LoaderState` composes the positions of the stages that own them: the planner's
+(:class:`~gluon_stream.batching.Position`: the next unit and row, the samples carried, or the
+end of the epoch), the run's (shards it skipped that a resume must skip again), and
+even_batches' (the batch a part left short repeats). Encoded, it also holds enough to tell
+whether a loader can continue from it: the settings that decide the batches, the keys at the
+positions it refers to (a digest of the epoch's keys up to the next shard, and each carried
+segment's key), and a checksum of all of it, so that a hand-edited or damaged state is refused
+with an :class:`~gluon_stream.InvalidState` naming the problem, never resumed elsewhere.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
 
 from . import _validate
 from .batching import Position, Segment
 from .errors import InvalidState
 
-__all__ = ["STATE_VERSION", "decode_state", "encode_state", "keys_digest"]
+__all__ = ["STATE_VERSION", "LoaderState", "decode_state", "encode_state", "keys_digest"]
 
-STATE_VERSION = 2
+STATE_VERSION = 3
 _JSON_KEY = (str, int, float)
+_FIELDS = {"version", "epoch", "end", "unit", "offset", "batches", "carry", "skipped", "repeat",
+           "settings", "digest"}
+
+#: ``epoch_keys(epoch)``: an epoch's shard order for this part (None: an endless iterator).
+EpochKeys = Callable[[int], "Sequence[Any] | None"]
+
+
+@dataclass(frozen=True)
+class LoaderState:
+    """Where a loader stands between batches, as its stages hold it.
+
+    Attributes:
+        position: The planner's position (see :class:`~gluon_stream.batching.Position`).
+        delivered: Batches of the epoch delivered so far (they number the next batches).
+        skipped: Shards, as ``(epoch, position in the epoch)``, that failed with
+            ``on_error='skip'`` and that a resume reads from or around (a shuffle window mixes
+            them as empty shards): they stay skipped, without being produced again.
+        repeat: even_batches: the last full batch delivered, repeated by a part that runs
+            short of the batch count every part yields (empty before the first one).
+        repeat_number: That batch's number in the epoch (its random augmentation).
+    """
+
+    position: Position
+    delivered: int = 0
+    skipped: tuple[tuple[int, int], ...] = ()
+    repeat: tuple[Segment, ...] = ()
+    repeat_number: int = 0
+
+    @property
+    def epoch(self) -> int:
+        return self.position.epoch
 
 
 def keys_digest(keys: Sequence[Any]) -> str:
@@ -29,28 +63,98 @@ def keys_digest(keys: Sequence[Any]) -> str:
     return hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
 
 
+def _checksum(fields: Mapping[str, Any]) -> str:
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:20]
+
+
 def _key(key: Any) -> Any:
     if key is None or (isinstance(key, _JSON_KEY) and not isinstance(key, bool)):
         return key
     return str(key)
 
 
-def encode_state(position: Position, delivered: int, settings: Mapping[str, Any],
+def _segments(segments: Sequence[Segment]) -> list:
+    return [{"epoch": s.epoch, "unit": s.unit, "start": s.start, "stop": s.stop,
+             "key": _key(s.key)} for s in segments]
+
+
+def encode_state(state: LoaderState, settings: Mapping[str, Any],
                  epoch_keys: Sequence[Any] | None) -> dict:
-    """The JSON-serialisable state of ``position`` after ``delivered`` batches of its epoch.
+    """The JSON-serialisable form of ``state``, checksummed.
 
     ``epoch_keys`` is the epoch's shard order for this part (None for endless key iterators).
     """
-    state = {"version": STATE_VERSION, "epoch": position.epoch, "shard": position.unit,
-             "offset": position.offset, "batches": delivered,
-             "carry": [{"epoch": s.epoch, "index": s.unit, "key": _key(s.key),
-                        "start": s.start, "end": s.stop} for s in position.carry]}
+    position = state.position
+    out: dict = {"version": STATE_VERSION, "epoch": position.epoch, "end": position.end,
+                 "unit": position.unit, "offset": position.offset, "batches": state.delivered,
+                 "carry": _segments(position.carry),
+                 "skipped": [[epoch, j] for epoch, j in sorted(state.skipped)],
+                 "settings": dict(settings)}
+    if state.repeat:
+        out["repeat"] = {"batch": state.repeat_number, "segments": _segments(state.repeat)}
     if epoch_keys is not None:
         seen = list(epoch_keys[:position.unit + 1])
-        state["keys"] = {"count": len(seen), "digest": keys_digest(seen),
-                         "next": _key(seen[position.unit]) if position.unit < len(seen) else None}
-    state.update(settings)
-    return state
+        out["keys"] = {"count": len(seen), "digest": keys_digest(seen),
+                       "next": _key(seen[position.unit]) if position.unit < len(seen) else None}
+    out["digest"] = _checksum(out)
+    return out
+
+
+def decode_state(state: Any, settings: Mapping[str, Any], batch_size: int,
+                 epoch_keys: EpochKeys) -> LoaderState:
+    """Check ``state`` against this loader and return it decoded.
+
+    Raises:
+        InvalidState: the state is not one of a StreamLoader of this version, it was edited
+            or damaged (its checksum), it was saved with other settings, a field is out of
+            range, or the keys it refers to changed.
+    """
+    if not isinstance(state, Mapping):
+        raise InvalidState(f"not a StreamLoader state: a dict is expected, got "
+                           f"{type(state).__name__}")
+    if "version" in state and state["version"] != STATE_VERSION:
+        raise InvalidState(f"state field 'version' is {state['version']!r}; this gluon_stream "
+                           f"reads version {STATE_VERSION} (save the state again with it)")
+    missing = (_FIELDS - {"repeat"}) - set(state)
+    if missing:
+        raise InvalidState(f"not a StreamLoader state: missing {sorted(missing)}")
+    _check_checksum(state)
+    saved = state["settings"]
+    differ = {k: (saved.get(k), v) for k, v in settings.items()
+              if not isinstance(saved, Mapping) or saved.get(k) != v}
+    if differ:
+        raise InvalidState(f"state was saved by a loader with other settings "
+                           f"(saved, this one): {differ}; build the loader as before")
+    epoch = _int(state, "epoch")
+    position = Position(epoch, _int(state, "unit"), _int(state, "offset"),
+                        _carry(state["carry"], epoch, batch_size), _bool(state, "end"))
+    delivered = _int(state, "batches")
+    skipped = _positions(state["skipped"], epoch)
+    repeat, number = (), 0
+    if state.get("repeat") is not None:
+        repeat, number = _repeat(state["repeat"], epoch, batch_size, delivered)
+    if position.end and position.offset:
+        raise InvalidState("state fields 'end' and 'offset' disagree: an ended epoch has no row "
+                           "to read")
+    keys = epoch_keys(epoch)
+    _check_keys(state, epoch, position.unit, keys)
+    for segment in position.carry + repeat:
+        _check_segment_key(segment, epoch_keys(segment.epoch) if segment.epoch != epoch else keys)
+    return LoaderState(position, delivered, skipped, repeat, number)
+
+
+def _check_checksum(state: Mapping[str, Any]) -> None:
+    fields = {k: v for k, v in state.items() if k != "digest"}
+    try:
+        expected = _checksum(fields)
+    except (TypeError, ValueError) as exc:
+        raise InvalidState(f"state holds a value JSON cannot hold ({exc}): not a state saved by "
+                           "state_dict()") from None
+    if state["digest"] != expected:
+        raise InvalidState("the state's fields do not match its checksum ('digest'): it was "
+                           "edited or damaged after state_dict() saved it. Resume from the state "
+                           "as saved, or start the epoch afresh")
 
 
 def _int(state: Mapping[str, Any], field: str, minimum: int = 0) -> int:
@@ -60,58 +164,63 @@ def _int(state: Mapping[str, Any], field: str, minimum: int = 0) -> int:
         raise InvalidState(str(exc)) from None
 
 
-def decode_state(state: Mapping[str, Any], settings: Mapping[str, Any], batch_size: int,
-                 epoch_keys: Any) -> tuple[Position, int]:
-    """Check ``state`` against this loader and return (position, batches delivered).
+def _bool(state: Mapping[str, Any], field: str) -> bool:
+    if not isinstance(state[field], bool):
+        raise InvalidState(f"state field {field!r} must be true or false, got {state[field]!r}")
+    return state[field]
 
-    ``settings`` must match the loader's; ``epoch_keys(epoch)`` gives the shard order of an
-    epoch for this part (None when the keys are an endless iterator).
-    """
-    if not isinstance(state, Mapping):
-        raise InvalidState(f"not a StreamLoader state: a dict is expected, got "
-                           f"{type(state).__name__}")
-    missing = {"version", "epoch", "shard", "offset", "batches", "carry"} - set(state)
-    if missing:
-        raise InvalidState(f"not a StreamLoader state: missing {sorted(missing)}")
-    if state["version"] != STATE_VERSION:
-        raise InvalidState(f"state field 'version' is {state['version']!r}; this gluon_stream "
-                           f"reads version {STATE_VERSION}")
-    differ = {k: (state.get(k), v) for k, v in settings.items() if state.get(k) != v}
-    if differ:
-        raise InvalidState(f"state was saved by a loader with other settings "
-                           f"(saved, this one): {differ}; build the loader as before")
-    epoch, unit, offset = _int(state, "epoch"), _int(state, "shard"), _int(state, "offset")
-    delivered = _int(state, "batches")
-    carry = _carry(state["carry"], epoch, batch_size)
-    keys = epoch_keys(epoch)
-    _check_keys(state, epoch, unit, keys)
-    for segment in carry:
-        _check_segment_key(segment, epoch_keys(segment.epoch) if segment.epoch != epoch else keys)
-    return Position(epoch, unit, offset, carry), delivered
+
+def _positions(values: Any, epoch: int) -> tuple[tuple[int, int], ...]:
+    if not isinstance(values, (list, tuple)) or not all(
+            isinstance(v, (list, tuple)) and len(v) == 2 for v in values):
+        raise InvalidState(f"state field 'skipped' must be a list of [epoch, shard position], "
+                           f"got {values!r}")
+    out = tuple((_int({"skipped": e}, "skipped"), _int({"skipped": j}, "skipped"))
+                for e, j in values)
+    if any(e > epoch for e, _ in out):
+        raise InvalidState(f"state field 'skipped' names an epoch after the state's {epoch}")
+    return out
+
+
+def _repeat(value: Any, epoch: int, batch_size: int, delivered: int
+            ) -> tuple[tuple[Segment, ...], int]:
+    if not isinstance(value, Mapping) or {"batch", "segments"} - set(value):
+        raise InvalidState(f"state field 'repeat' must have batch and segments, got {value!r}")
+    number = _int(value, "batch")
+    segments = _segment_list(value["segments"], "repeat.segments", epoch)
+    if sum(s.size for s in segments) != batch_size or number >= delivered:
+        raise InvalidState(f"state field 'repeat' is not a full batch delivered before: "
+                           f"{value!r} (batch_size={batch_size}, {delivered} delivered)")
+    return segments, number
 
 
 def _carry(segments: Any, epoch: int, batch_size: int) -> tuple[Segment, ...]:
-    if not isinstance(segments, (list, tuple)):
-        raise InvalidState(f"state field 'carry' must be a list of segments, got {segments!r}")
-    out = []
-    for i, seg in enumerate(segments):
-        field = f"carry[{i}]"
-        if not isinstance(seg, Mapping) or {"epoch", "index", "start", "end"} - set(seg):
-            raise InvalidState(f"state field {field!r} must have epoch, index, key, start and end, "
-                               f"got {seg!r}")
-        values = {name: _int(seg, name) for name in ("epoch", "index", "start", "end")}
-        if values["epoch"] > epoch:
-            raise InvalidState(f"state field '{field}.epoch' is {values['epoch']}, after the "
-                               f"state's epoch {epoch}")
-        if values["end"] <= values["start"]:
-            raise InvalidState(f"state field {field!r} holds no samples: start {values['start']}, "
-                               f"end {values['end']}")
-        out.append(Segment(values["epoch"], values["index"], values["start"], values["end"],
-                           seg.get("key")))
+    out = _segment_list(segments, "carry", epoch)
     carried = sum(s.size for s in out)
     if carried >= batch_size:
         raise InvalidState(f"state field 'carry' holds {carried} samples, a batch or more "
                            f"(batch_size={batch_size}): not a state of this loader")
+    return out
+
+
+def _segment_list(segments: Any, name: str, epoch: int) -> tuple[Segment, ...]:
+    if not isinstance(segments, (list, tuple)):
+        raise InvalidState(f"state field {name!r} must be a list of segments, got {segments!r}")
+    out = []
+    for i, seg in enumerate(segments):
+        field = f"{name}[{i}]"
+        if not isinstance(seg, Mapping) or {"epoch", "unit", "start", "stop"} - set(seg):
+            raise InvalidState(f"state field {field!r} must have epoch, unit, key, start and "
+                               f"stop, got {seg!r}")
+        values = {name: _int(seg, name) for name in ("epoch", "unit", "start", "stop")}
+        if values["epoch"] > epoch:
+            raise InvalidState(f"state field '{field}.epoch' is {values['epoch']}, after the "
+                               f"state's epoch {epoch}")
+        if values["stop"] <= values["start"]:
+            raise InvalidState(f"state field {field!r} holds no samples: start "
+                               f"{values['start']}, stop {values['stop']}")
+        out.append(Segment(values["epoch"], values["unit"], values["start"], values["stop"],
+                           seg.get("key")))
     return tuple(out)
 
 
@@ -138,6 +247,6 @@ def _check_segment_key(segment: Segment, keys: Sequence[Any] | None) -> None:
     found = _key(keys[segment.unit]) if segment.unit < len(keys) else None
     if found != segment.key:
         raise InvalidState(
-            f"the keys of epoch {segment.epoch} changed since the state was saved: carried "
-            f"samples came from shard {segment.unit} = {segment.key!r}, which is {found!r} now; "
+            f"the keys of epoch {segment.epoch} changed since the state was saved: samples "
+            f"it holds came from shard {segment.unit} = {segment.key!r}, which is {found!r} now; "
             "resume with the keys the state was saved with")

@@ -29,16 +29,16 @@ def plan_epoch(sizes, batch_size, mode, start, skipped=()):
         if unit < start.unit or unit in skipped:
             continue
         batches.extend(planner.add(unit, n, key=f"k{unit}").batches())
-    tail = planner.finish()
+    tail, end = planner.finish()
     if tail is not None:
         batches.append(tail)
-    return batches, planner
+    return batches, end
 
 
 @settings(max_examples=300, deadline=None)
 @given(sizes=sizes_st, batch_size=batch_st, mode=mode_st)
 def test_every_sample_once_and_full_batches_across_unit_boundaries(sizes, batch_size, mode):
-    batches, planner = plan_epoch(sizes, batch_size, mode, Position(0))
+    batches, end = plan_epoch(sizes, batch_size, mode, Position(0))
     delivered = [s for b in batches for s in samples(b)]
     every = [(0, u, r) for u, n in enumerate(sizes) for r in range(n)]
     assert len(delivered) == len(set(delivered))
@@ -52,7 +52,7 @@ def test_every_sample_once_and_full_batches_across_unit_boundaries(sizes, batch_
     if batches:
         assert 0 < batches[-1].size <= batch_size
         assert mode == "keep" or batches[-1].size == batch_size
-    carried = [s for seg in planner.carry for s in samples(Batch((seg,), Position(0)))]
+    carried = [s for seg in end.carry for s in samples(Batch((seg,), Position(0)))]
     assert carried == (every[total - rest:] if mode == "rollover" else [])
 
 
@@ -65,7 +65,7 @@ def test_resuming_at_any_planned_position_gives_the_same_remaining_plan(sizes, b
         return
     k = data.draw(st.integers(min_value=0, max_value=len(reference) - 1))
     after = reference[k].after
-    if after.epoch == 1:  # the epoch's short tail: nothing of this epoch follows it
+    if after.end:  # the epoch's short tail: nothing of this epoch follows it
         assert k == len(reference) - 1 and mode == "keep"
         return
     resumed, _ = plan_epoch(sizes, batch_size, mode, after)
@@ -77,8 +77,9 @@ def test_resuming_at_any_planned_position_gives_the_same_remaining_plan(sizes, b
 @settings(max_examples=200, deadline=None)
 @given(sizes=sizes_st, next_sizes=sizes_st, batch_size=batch_st)
 def test_the_rollover_remainder_opens_the_next_epoch(sizes, next_sizes, batch_size):
-    first, planner = plan_epoch(sizes, batch_size, "rollover", Position(0))
-    start = planner.next_epoch()
+    first, end = plan_epoch(sizes, batch_size, "rollover", Position(0))
+    assert end.end and end.epoch == 0
+    start = end.next_epoch()
     assert start.epoch == 1 and start.carried == sum(sizes) % batch_size
     second, _ = plan_epoch(next_sizes, batch_size, "keep", start)
     rolled = [(0, u, r) for seg in start.carry for u, r in [(seg.unit, x)
