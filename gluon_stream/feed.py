@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .batching import Batch, BatchPlanner, MixedUnit, Segment, UnitPlan, WindowMixer
+from .batching import Batch, BatchPlanner, MixedUnit, Position, Segment, UnitPlan, WindowMixer
 from .errors import LoaderClosed
 from .stats import EpochRecord
 from .stream import EpochRun, Shard
@@ -87,6 +87,7 @@ class UnitFeed:
         self.run, self.planner, self.carry, self.path, self.record = (run, planner, carry,
                                                                       path, record)
         self.final: Batch | None = None
+        self.end: Position | None = None  # where the epoch ends, once the units run out
         self.failure: BaseException | None = None
         self.shard_wait_s = 0.0  # time spent waiting for shards to be produced, in total
         self.samples = 0  # samples of the shards handed out
@@ -134,7 +135,7 @@ class UnitFeed:
 
     def _end(self) -> None:
         self._ended = True
-        self.final = self.planner.finish()
+        self.final, self.end = self.planner.finish()
 
     def done(self, unit: Any, plan: UnitPlan) -> None:
         for seg in plan.leftover:

@@ -23,24 +23,22 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from . import _validate
 from ._closing import Closing
-from ._fsspec import is_url
 from ._lifecycle import check_owner, track
-from ._random import batch_seed
 from ._mx import arrays as mx_arrays
 from ._mx import require_mxnet
 from ._mx import workers as mx_workers
 from ._mx.samples import SAMPLE_FORMATS, SampleFormat
-from .batching import LAST_BATCH_MODES, BatchPlanner, LastBatch, Position, Segment, WindowMixer
+from .batching import LAST_BATCH_MODES, LastBatch, Position
 from .distributed import resolve_parts
-from .errors import InvalidState, LoaderClosed, StreamError
-from .feed import Carry, Mixed, UnitFeed, WindowFeed
+from ._fsspec import is_url
+from .epoch import EpochPass, PassSettings
+from .errors import InvalidState, LoaderClosed
 from .paths import SamplePath, SlicePath
-from .progress import ProgressBar
 from .retry import OnError
 from .sources import CachingSource, FileSource, Source
-from .state import decode_state, encode_state
+from .state import LoaderState, decode_state, encode_state
 from .stats import Stats
-from .stream import EpochRun, ShardStream
+from .stream import ShardStream
 
 __all__ = ["StreamLoader"]
 
@@ -173,7 +171,7 @@ class StreamLoader(Closing):
                                  "ShardStream: set them on the ShardStream instead")
             stream, owns = source, False
         else:
-            if even_batches and not _sizes_declared(source, given):
+            if even_batches and not _sizes_known(source, given):
                 parts, index = resolve_parts(given.get("num_parts", 1), given.get("part_index", 0),
                                              kvstore=given.get("kvstore"))
                 if parts > 1:  # equal counts without sizes: every rank takes its stride
@@ -200,11 +198,8 @@ class StreamLoader(Closing):
         self.stream = stream
         self.progress = progress
         self.vectorised = batchify_fn is None and sample_transform is None
-        self._rollover = Carry()  # the data of the samples an epoch rolled over
-        self._position: Position | None = None  # where the epoch in progress stands
-        self._delivered = 0  # batches delivered in the epoch in progress
-        self._resume: tuple[Position, int] | None = None  # set by load_state_dict
-        self._names: tuple[str, ...] | None = None
+        self._pass: EpochPass | None = None  # the pass in progress, or the last one
+        self._start: LoaderState | None = None  # where the next pass starts (a loaded state)
         self.ctx = _check_ctx(ctx, shards_on_ctx, self.vectorised)
         self.shards_on_ctx = bool(shards_on_ctx)
         if self.vectorised:
@@ -222,6 +217,9 @@ class StreamLoader(Closing):
             path = SamplePath(workers, self.timeout,
                               mx_arrays.batch_context(True, pin_device_id) if pin_memory else None)
         self._path = path
+        self._settings = PassSettings(self.batch_size, self.last_batch, self.shuffle_window,
+                                      self.even_batches, progress,
+                                      None if self.shards_on_ctx else self.ctx)
         self._res = _LoaderResources(stream, owns, path)
         self._finalizer = weakref.finalize(self, self._res.close)
         track(self, self._finalizer)
@@ -241,17 +239,22 @@ class StreamLoader(Closing):
     def names(self) -> tuple[str, ...] | None:
         """The names of the arrays in a batch, in order, when the shards name them (a dict
         returned by ``fn`` or ``transform``, an ``.npz`` saved by name); None otherwise."""
-        return self._names
+        return self._pass.names if self._pass is not None else None
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch of the next pass (its keys, shuffle order and cache entries)."""
         self.stream.set_epoch(epoch)
 
     def __len__(self) -> int:
-        count = self._num_batches(self.stream.epoch)
+        """Batches of the next pass's epoch, counted from its start, as it yields them: with
+        even_batches the count every part yields (the same on every rank)."""
+        epoch = self.stream.epoch
+        start = self._next_start(warn=False).position
+        count = self._num_batches(epoch, start.carried if start.epoch == epoch
+                                  and start.unit == start.offset == 0 else 0)
         if count is None:
-            raise TypeError(f"len(StreamLoader) is unknown for epoch {self.stream.epoch}: "
-                            f"{self._unknown_size_reason(self.stream.epoch)}")
+            raise TypeError(f"len(StreamLoader) is unknown for epoch {epoch}: "
+                            f"{self._unknown_size_reason(epoch)}")
         return count
 
     def _unknown_size_reason(self, epoch: int) -> str:
@@ -280,235 +283,135 @@ class StreamLoader(Closing):
                 "ahead with gluon-stream generate, or read existing files with FileSource; sizes "
                 "of shards seen in an earlier pass are reused when the data cannot change")
 
-    def _num_batches(self, epoch: int) -> int | None:
+    def _num_batches(self, epoch: int, carried: int = 0) -> int | None:
+        """Batches epoch ``epoch`` yields from its start (``carried``: samples rolled over)."""
+        if self.even_batches:
+            limit = self._even_limit(epoch)
+            if limit is not None:
+                return limit
         total = self.stream.epoch_size(epoch)
         if total is None:
             return None
-        full, rest = divmod(total + len(self._rollover), self.batch_size)
-        return full + (1 if rest and self.last_batch == "keep" else 0)
+        full, rest = divmod(total + carried, self.batch_size)
+        return full + (1 if rest and self.last_batch == "keep" and not self.even_batches else 0)
+
+    def _even_limit(self, epoch: int) -> int | None:
+        """With even_batches, the batch count every part yields in ``epoch``: the smallest
+        part's full batches, by the declared or known sizes. None where the parts hold equal
+        counts by construction (``deal='samples'``, or one part): every full batch."""
+        stream = self.stream
+        if not self.even_batches or stream.deal == "samples" or stream.num_parts == 1:
+            return None
+        sizes = stream.part_sizes(epoch)
+        if sizes is None:
+            raise InvalidState(
+                f"even_batches=True needs every shard's size for epoch {epoch} on every rank, "
+                "and some are unknown now: pass shard_sizes= for every key (samples after "
+                "transform), or fill the cache ahead before any rank starts")
+        return min(sizes) // self.batch_size
 
     def __iter__(self) -> Iterator[Any]:
         self._check_open()
-        resume, self._resume = self._resume, None
-        if resume is not None and resume[0].epoch != self.stream.epoch:
-            logger.warning("state loaded for epoch %d, but epoch %d starts: iterating it from its "
-                           "beginning", resume[0].epoch, self.stream.epoch)
-            resume = None
-        if resume is not None:
-            start, delivered = resume
-            carry = self._rebuild_carry(start.carry)
+        start = self._next_start()
+        self._start = None
+        if start.position.end:  # the rest of an ended epoch (a resumed state): nothing
+            self.stream.set_epoch(start.epoch + 1)
+            limit = None
         else:
-            start = Position(self.stream.epoch, 0, 0, tuple(self._rollover.segments))
-            carry, delivered = self._rollover, 0
-        self._rollover = Carry()
-        run = self.stream.start_epoch(skip=WindowMixer.first_shard(start.unit, self.shuffle_window),
-                                      prepare=self._path.prepare)
-        self._position, self._delivered = start, delivered  # until a batch moves it
-        return self._epoch(run, start, carry, delivered)
+            limit = self._even_limit(start.epoch)
+        expected = self._num_batches(start.epoch, start.position.carried) \
+            if self.progress and not start.position.end else None
+        last = self._pass
+        carry = last.carry if last is not None and last.finished and \
+            last.state.position.carry == start.position.carry and start.position.carry else None
+        self._pass = EpochPass(self.stream, self._path, self._settings, start, limit, expected,
+                               carry)
+        return iter(self._pass)
 
-    def _settings(self) -> dict:
+    def _next_start(self, warn: bool = True) -> LoaderState:
+        """Where the next pass starts: a loaded state, or the stream's epoch with what the last
+        pass rolled over."""
+        epoch = self.stream.epoch
+        loaded = self._start
+        if loaded is not None:
+            if loaded.epoch == epoch:
+                return loaded
+            if loaded.position.end and loaded.epoch + 1 == epoch:  # the next epoch, as it said
+                return LoaderState(loaded.position.next_epoch(), skipped=loaded.skipped)
+            if warn:
+                logger.warning("state loaded for epoch %d, but epoch %d starts: iterating it "
+                               "from its beginning", loaded.epoch, epoch)
+            return LoaderState(Position(epoch))
+        last = self._pass
+        if last is not None and last.finished:
+            return LoaderState(Position(epoch, carry=last.state.position.carry),
+                               skipped=last.state.skipped)
+        return LoaderState(Position(epoch))
+
+    def _settings_saved(self) -> dict:
         """What decides the batches, stored in a state and checked on load."""
         stream = self.stream
         return {"seed": stream.seed, "shuffle": stream.shuffle, "batch_size": self.batch_size,
-                "num_parts": stream.num_parts, "part_index": stream.part_index,
-                "deal": stream.deal, "shuffle_window": self.shuffle_window}
+                "last_batch": self.last_batch, "num_parts": stream.num_parts,
+                "part_index": stream.part_index, "deal": stream.deal,
+                "shuffle_window": self.shuffle_window, "even_batches": self.even_batches}
 
     def state_dict(self) -> dict:
         """Where the stream stands, as a small JSON-serialisable dict (take it between batches).
 
         A fresh loader with the same arguments continues, after :meth:`load_state_dict`, with
-        exactly the batches this one would have produced next. The state also records the keys
-        it refers to, so a resume with a changed key list is refused instead of repeating or
-        skipping samples.
+        exactly the batches this one would have produced next. Taken after an epoch's last
+        batch (before the loop sees the end), the state says "end of epoch e": a pass resumed
+        from it yields nothing and the next pass is epoch e + 1. Taken once a pass has ended,
+        it says "epoch e + 1, from its start". The state records the keys it refers to (a
+        resume with a changed key list is refused instead of repeating or skipping samples) and
+        a checksum (an edited state is refused).
         """
-        if self._position is not None:
-            position, delivered = self._position, self._delivered
-        elif self._resume is not None:
-            position, delivered = self._resume
-        else:  # between epochs: the next one starts, with what the last one rolled over
-            position = Position(self.stream.epoch, 0, 0, tuple(self._rollover.segments))
-            delivered = 0
-        return encode_state(position, delivered, self._settings(),
-                            self.stream.epoch_keys(position.epoch)[2])
+        last = self._pass
+        if self._start is not None or last is None or last.finished:
+            state = self._next_start()
+        else:
+            state = last.state
+        return encode_state(state, self._settings_saved(),
+                            self.stream.epoch_keys(state.epoch)[2])
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict` of a loader built with the same arguments.
 
+        A loader whose seed was drawn (``seed=None``) takes the state's seed.
+
         Raises:
-            InvalidState: (a ValueError) the state is not a StreamLoader state, a field is out
-                of range, it was saved with other settings, or the keys it refers to changed.
+            InvalidState: (a ValueError) the state is not a StreamLoader state, it was edited,
+                a field is out of range, it was saved with other settings, or the keys it
+                refers to changed.
         """
-        position, delivered = decode_state(state, self._settings(), self.batch_size,
-                                           lambda epoch: self.stream.epoch_keys(epoch)[2])
-        self._resume = (position, delivered)
-        self._position = None
-        self._rollover = Carry()
-        self.stream.set_epoch(position.epoch)
+        self._check_open()
+        settings = self._settings_saved()
+        saved = state.get("settings") if isinstance(state, Mapping) else None
+        seed = saved.get("seed") if isinstance(saved, Mapping) else None
+        adopt = not self.stream.seed_given and _validate.is_int(seed)
+        if adopt:
+            settings["seed"] = seed
+        decoded = decode_state(state, settings, self.batch_size,
+                               lambda epoch: self._keys_with_seed(epoch, settings["seed"]))
+        if adopt:
+            self.stream.adopt_seed(seed)
+        self._start = decoded
+        self._pass = None
+        self.stream.set_epoch(decoded.epoch)
 
-    def _rebuild_carry(self, segments: Sequence[Segment]) -> Carry:
-        """Produce the units that carried samples came from again, and cut the same rows."""
-        carry = Carry()
-        for seg in segments:
-            carry.add(seg, self._path.cut(self._unit_again(seg), seg))
-        return carry
-
-    def _unit_again(self, seg: Segment) -> Any:
-        """Unit ``seg.unit`` of epoch ``seg.epoch``, produced again (for a resumed carry)."""
-        keys = self.stream.epoch_keys(seg.epoch)[2]
-        prepare = self._path.prepare
-        if self.shuffle_window == 1:
-            key = keys[seg.unit] if keys is not None else seg.key
-            return self.stream.produce_now(key, seg.epoch, prepare)
-        if keys is None:
-            raise InvalidState("a state that carries samples of a mixed unit of an endless key "
-                               "iterator cannot be resumed: its shards cannot be named again")
-        mixer = WindowMixer(self.shuffle_window, self.stream.seed, seg.epoch, first_unit=seg.unit)
-        shards, units = {}, []
-        for j in range(mixer.first_shard(seg.unit, self.shuffle_window),
-                       min(seg.unit + 1, len(keys))):
-            shards[j] = self.stream.produce_now(keys[j], seg.epoch, prepare)
-            units.extend(mixer.add(j, len(shards[j])))
-        if seg.unit >= len(keys):
-            units.extend(mixer.finish())
-        unit = next(u for u in units if u.index == seg.unit)
-        used = {j: shards[j] for j in set(unit.shards.tolist())}
-        return self._path.mix(Mixed(unit, used, seg.key))
+    def _keys_with_seed(self, epoch: int, seed: int) -> list | None:
+        return self.stream.epoch_keys(epoch, seed=seed)[2]
 
     def close(self) -> None:
         """Stop producers, end worker pools, kill generators, remove temp files; idempotent."""
         self._finalizer()
 
-    # -- one epoch ------------------------------------------------------------------------
     def _check_open(self) -> None:
         check_owner(self, "StreamLoader")
         if self._res.closed:
             raise LoaderClosed("this StreamLoader is closed; create a new one")
         self.stream.check_open()
-
-    def _epoch(self, run: EpochRun, start: Position, carry: Carry,
-               delivered: int) -> Iterator[Any]:
-        stats = self.stats
-        clock = stats.clock
-        record = stats.new_epoch(run.epoch)
-        t_start = waiting_since = clock()
-        bar = (ProgressBar(run.epoch, self._num_batches(run.epoch),
-                           live=True if self.progress == "live" else None)
-               if self.progress else None)
-        limit = self._even_limit(run.epoch)
-        planner = BatchPlanner(self.batch_size, self.last_batch, start)
-        if self.shuffle_window > 1:
-            mixer = WindowMixer(self.shuffle_window, self.stream.seed, run.epoch,
-                                first_unit=start.unit)
-            budget = max(self.stream.prefetch, self.shuffle_window) + 1
-            feed: UnitFeed = WindowFeed(run, planner, carry, self._path, record, mixer, budget)
-        else:
-            feed = UnitFeed(run, planner, carry, self._path, record)
-        last = None  # the last batch delivered, repeated if skipped shards leave a part short
-        self._position, self._delivered = start, delivered
-        last_unit, shard_wait, waits = None, 0.0, 0
-        run.start()  # producers start on the first shards before anything below can wait
-        seed = self.stream.seed
-        batches = self._path.batches(feed, carry, first=delivered,
-                                     seed_of=lambda n: batch_seed(seed, run.epoch, n))
-        if self.ctx is not None and not self.shards_on_ctx:
-            batches = self._placed(batches)
-        try:
-            for planned, batch in batches:
-                if limit is not None and delivered >= limit:
-                    break  # even_batches: every part stops after the same number of batches
-                now = clock()
-                if record.first_batch_s is None:
-                    record.first_batch_s = now - t_start
-                record.stall_s += now - waiting_since
-                unit = planned.segments[-1].unit
-                if last_unit is not None and unit != last_unit and run.waits == waits:
-                    # the first batch of a shard that was produced in time: what switching to
-                    # it cost (after a wait for production, refilling the workers is a stall)
-                    waited = feed.shard_wait_s - shard_wait
-                    record.rotation_s.append(max(0.0, now - waiting_since - waited))
-                last_unit, shard_wait, waits = unit, feed.shard_wait_s, run.waits
-                stats.add_span("train", "wait", waiting_since, now)
-                record.batches += 1
-                record.samples += planned.size
-                delivered += 1
-                self._position, self._delivered = planned.after, delivered
-                if bar is not None:
-                    record.wall_s = now - t_start
-                    bar.update(record, run.ready_ahead())
-                if limit is not None:  # kept only to repeat it; it pins its shard
-                    last = batch
-                self._names = feed.names
-                yield batch
-                waiting_since = clock()
-                stats.add_span("train", "busy", now, waiting_since)
-            if limit is not None and delivered < limit:
-                yield from self._pad_to(limit, delivered, last, run, record)
-                delivered = limit
-            record.complete = True
-            self._rollover = carry if self.last_batch == "rollover" else Carry()
-            self._position = None
-            if not record.samples:
-                logger.warning("epoch %d delivered no samples: %s", run.epoch,
-                               _empty_reason(run, feed, self.batch_size, self.last_batch))
-        finally:
-            run.cancel()
-            record.skipped_shards = run.skipped
-            record.wall_s = clock() - t_start
-            if bar is not None:
-                bar.close(record)
-
-    def _placed(self, batches: Iterator[tuple]) -> Iterator[tuple]:
-        """Batches copied to ``ctx``, the next one's copy started before the current one is
-        handed out whenever the next one is ready (never waiting for it)."""
-        ctx, path = self.ctx, self._path
-        item = next(batches, None)
-        current = None if item is None else (item[0], mx_arrays.place(item[1], ctx))
-        while current is not None:
-            ahead = path.ready()
-            if not ahead:
-                yield current
-            try:
-                item = next(batches, None)
-            except BaseException:
-                if ahead:  # what the loop would have had before the error
-                    yield current
-                raise
-            following = None if item is None else (item[0], mx_arrays.place(item[1], ctx))
-            if ahead:
-                yield current
-            current = following
-
-    def _pad_to(self, limit: int, delivered: int, last: Any, run: EpochRun,
-                record: Any) -> Iterator[Any]:
-        """even_batches: skipped shards left this part short of the count every part yields;
-        repeat its last batch, so that synchronous training does not wait for it forever."""
-        missing = limit - delivered
-        if last is None:
-            raise StreamError(
-                f"part {self.stream.part_index} of {self.stream.num_parts} has no batch to give in "
-                f"epoch {run.epoch} ({run.skipped} shard(s) skipped) while the others yield "
-                f"{limit}: synchronous training cannot go on; see the warnings above")
-        logger.warning("epoch %d: %d shard(s) skipped on part %d of %d leave it %d batch(es) "
-                       "short of the %d every part yields (even_batches=True); repeating its "
-                       "last batch %d time(s)", run.epoch, run.skipped, self.stream.part_index,
-                       self.stream.num_parts, missing, limit, missing)
-        for _ in range(missing):
-            record.batches += 1
-            self._delivered += 1
-            yield last
-
-    def _even_limit(self, epoch: int) -> int | None:
-        """With even_batches, the batch count every part can deliver this epoch (None when the
-        parts hold equal counts by construction, ``deal='samples'``)."""
-        if not self.even_batches or self.stream.deal == "samples":
-            return None
-        sizes = self.stream.part_sizes(epoch)
-        if sizes is None:
-            raise TypeError(
-                f"even_batches=True needs every shard's size for epoch {epoch} on every rank: use "
-                "FileSource or a shared cache_dir filled ahead (gluon-stream generate), or pass "
-                "shard_sizes= (samples after transform)")
-        return min(sizes) // self.batch_size
 
 
 def _check_ctx(ctx: Any, shards_on_ctx: bool, vectorised: bool) -> Any:
@@ -524,7 +427,7 @@ def _check_ctx(ctx: Any, shards_on_ctx: bool, vectorised: bool) -> Any:
     return list(ctx) if isinstance(ctx, (list, tuple)) else ctx
 
 
-def _sizes_declared(source: Source, given: Mapping[str, Any]) -> bool:
+def _sizes_known(source: Source, given: Mapping[str, Any]) -> bool:
     """Whether every rank knows every shard's size ahead, the same way: ``shard_sizes=``, or
     the headers of local files no transform changes (cached files are not: a rank may see a
     file another has not yet made)."""
@@ -534,17 +437,3 @@ def _sizes_declared(source: Source, given: Mapping[str, Any]) -> bool:
         return False
     keys, finite = source.keys_for_epoch(0)
     return finite and not any(is_url(k) for k in keys)
-
-
-def _empty_reason(run: EpochRun, feed: UnitFeed, batch_size: int, last_batch: str) -> str:
-    """Why an epoch gave no batch, in words (for its one WARNING)."""
-    shards = run.index
-    if not shards:
-        return "it has no keys"
-    if run.skipped == shards:
-        return f"all {shards} shards were skipped (on_error='skip'; see the warnings above)"
-    if feed.samples:
-        return (f"its {feed.samples} samples are fewer than batch_size={batch_size} and "
-                f"last_batch={last_batch!r} keeps them out of this epoch")
-    return (f"its {shards} shard(s) hold no samples (does a transform return 0 rows, e.g. "
-            "windows longer than the shard?)")

@@ -125,6 +125,10 @@ class SlicePath:
         if feed.failure is not None:
             raise feed.failure
 
+    def join(self, chunks: list[tuple], seed: int | None = None) -> Any:
+        """A batch of carried chunks (rows cut from units), e.g. a resumed batch to repeat."""
+        return _as_batch(_join(chunks))
+
     def ready(self) -> bool:
         """Whether the next batch comes without waiting (for a shard to be produced)."""
         return self._left > 0 or (self._feed is not None and self._feed.ready())
@@ -264,6 +268,21 @@ class SamplePath:
             refs.append((sid, range(own.start, own.stop)))
             sids.append(sid)
         return refs, sids
+
+    def join(self, chunks: list[tuple], seed: int | None = None) -> Any:
+        """A batch of carried chunks (rows cut from units), made by the workers with the RNGs
+        seeded from ``seed``, e.g. a resumed batch to repeat."""
+        carry = Carry()
+        for chunk in chunks:
+            carry.add(Segment(0, 0, 0, len(chunk[0])), chunk)
+        refs, sids = self._carry_refs(carry)
+        tid = next(self._ids)
+        self.workers.submit(tid, refs, "a repeated batch", None, seed=seed)
+        try:
+            return self.workers.result(tid, self.timeout, "a repeated batch")
+        finally:
+            for sid in sids:
+                self.workers.detach(sid)
 
     def _carry_refs(self, carry: Carry) -> tuple[list, list[int]]:
         chunks = carry.take_all()

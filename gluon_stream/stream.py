@@ -223,9 +223,11 @@ class ShardStream(Closing):
         if seed is None and self.shuffle and self.num_parts > 1:
             raise ValueError("shuffle=True with num_parts > 1 needs an explicit seed, the same on "
                              "every rank, so that the ranks agree on who gets which shard")
-        if seed is None and self.shuffle:
+        self.seed_given = seed is not None
+        if seed is None and self.num_parts == 1:  # several parts deal shards with seed 0
             seed = int(np.random.SeedSequence().entropy % (2 ** 31))
-            logger.info("shuffle=True without a seed: using seed=%d", seed)
+            (logger.info if self.shuffle else logger.debug)(
+                "no seed given: using seed=%d (shuffle order and per-sample randomness)", seed)
         self.seed = 0 if seed is None else _validate.integer("seed", seed)
         self.error_policy = ErrorPolicy.parse(on_error)
         self._schema = ([(np.dtype(d).str, tuple(s)) for d, s in schema]
@@ -282,10 +284,21 @@ class ShardStream(Closing):
         if self.closed:
             raise LoaderClosed("this ShardStream/StreamLoader is closed; create a new one")
 
-    def epoch_keys(self, epoch: int, part_index: int | None = None
+    def adopt_seed(self, seed: int) -> None:
+        """Take ``seed`` (a resumed state's) in place of the one drawn for ``seed=None``."""
+        if self.seed_given:
+            raise ValueError(f"this stream was given seed={self.seed}; it keeps it")
+        self.seed = _validate.integer("seed", seed)
+        ahead, self._next_run = self._next_run, None
+        for run in list(self._res.runs):  # shards made ahead with the old seed's order
+            run.cancel()
+
+    def epoch_keys(self, epoch: int, part_index: int | None = None, seed: int | None = None
                    ) -> tuple[Iterator[Any], bool, list | None]:
-        """(keys iterator, finite, key list or None) of one part in this epoch's shard order."""
+        """(keys iterator, finite, key list or None) of one part in this epoch's shard order
+        (``seed``: with another seed than the stream's)."""
         part = self.part_index if part_index is None else part_index
+        seed = self.seed if seed is None else seed
         keys, finite = self.source.keys_for_epoch(epoch)
         if not finite:
             if self.num_parts == 1:
@@ -293,11 +306,11 @@ class ShardStream(Closing):
             return itertools.islice(keys, part, None, self.num_parts), False, None
         keys = list(keys)
         if self.num_parts > 1 and keys and self.deal == "shards":  # deal shards to parts
-            dealt = seeded_rng(self.seed, epoch, 0xDEA1).permutation(len(keys))
+            dealt = seeded_rng(seed, epoch, 0xDEA1).permutation(len(keys))
             mine = dealt[part::self.num_parts]
             keys = [keys[i] for i in (mine if self.shuffle else np.sort(mine))]
         elif self.shuffle and keys:
-            order = seeded_rng(self.seed, epoch, 0x5EED).permutation(len(keys))
+            order = seeded_rng(seed, epoch, 0x5EED).permutation(len(keys))
             keys = [keys[i] for i in order]
         return iter(keys), True, keys
 
@@ -312,22 +325,35 @@ class ShardStream(Closing):
         return order
 
     def shard_size(self, key: Any, epoch: int) -> int | None:
-        """This part's samples of a shard after transform, if known without producing it."""
-        n = self._sizes.get((key, epoch), self._sizes.get((key, None)))  # seen: this part's
-        if n is not None:
-            return n
-        if self._shard_sizes is not None:
-            if isinstance(self._shard_sizes, int):
-                n = self._shard_sizes
-            elif callable(self._shard_sizes):
-                n = self._shard_sizes(key)
-            else:
-                n = self._shard_sizes.get(key)
-        if n is None and self.transform is None:
-            n = self.source.num_samples(key, epoch)
+        """This part's samples of a shard after transform, if known without producing it.
+
+        Declared sizes (``shard_sizes=``) come first and are never replaced by what a shard
+        turned out to hold: every rank counts with them, so batch counts agree across ranks.
+        """
+        n = self.declared_size(key)
+        if n is None:
+            n = self._sizes.get((key, epoch), self._sizes.get((key, None)))  # seen: this part's
+            if n is not None:
+                return n
+            if self.transform is None:
+                n = self.source.num_samples(key, epoch)
         if n is not None and self.deal == "samples":
             n //= self.num_parts
         return n
+
+    def declared_size(self, key: Any) -> int | None:
+        """The size ``shard_sizes=`` declares for a shard (None: not declared)."""
+        sizes = self._shard_sizes
+        if sizes is None:
+            return None
+        if isinstance(sizes, int):
+            return sizes
+        n = sizes(key) if callable(sizes) else sizes.get(key)
+        if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer))
+                              or n < 0):
+            raise ValueError(f"shard_sizes gives {n!r} for shard {key!r}: a number of samples "
+                             "(an int >= 0) is expected")
+        return None if n is None else int(n)
 
     def epoch_size(self, epoch: int, part_index: int | None = None) -> int | None:
         """Total samples of one part's epoch if every shard size is known, else None."""
@@ -360,8 +386,13 @@ class ShardStream(Closing):
         finally:
             run.cancel()
 
-    def start_epoch(self, skip: int = 0, prepare: Prepare | None = None) -> "EpochRun":
+    def start_epoch(self, skip: int = 0, prepare: Prepare | None = None,
+                    skipped: Sequence[int] = ()) -> "EpochRun":
         """Begin producing the current epoch after ``skip`` shards; cancels any unfinished pass.
+
+        ``skipped``: positions of shards that failed before (``on_error='skip'``, recorded in a
+        resumed state): they count as skipped again without being produced, so a resume sees
+        the epoch the interrupted pass saw.
 
         ``prepare(arrays, order, what)``, if given, runs in the producer threads after the transform
         and returns the shard's arrays in ``order`` in the form the consumer wants; without it
@@ -375,15 +406,16 @@ class ShardStream(Closing):
         for old in list(self._res.runs):
             if old is not ahead:
                 old.cancel()
-        if (ahead is not None and ahead.epoch == epoch and not skip and not ahead.cancelled
-                and ahead.prepare is prepare):
+        if (ahead is not None and ahead.epoch == epoch and not skip and not skipped
+                and not ahead.cancelled and ahead.prepare is prepare):
             return ahead  # its first shards were produced while the last epoch ended
         if ahead is not None:
             ahead.cancel()
-        return self._new_run(epoch, skip, prepare)
+        return self._new_run(epoch, skip, prepare, skipped)
 
-    def _new_run(self, epoch: int, skip: int, prepare: Prepare | None) -> "EpochRun":
-        run = EpochRun(self, epoch, skip, prepare)
+    def _new_run(self, epoch: int, skip: int, prepare: Prepare | None,
+                 skipped: Sequence[int] = ()) -> "EpochRun":
+        run = EpochRun(self, epoch, skip, prepare, skipped)
         self._res.runs.add(run)
         return run
 
@@ -486,7 +518,7 @@ class EpochRun:
     """
 
     def __init__(self, stream: ShardStream, epoch: int, skip: int = 0,
-                 prepare: Prepare | None = None) -> None:
+                 prepare: Prepare | None = None, skipped: Sequence[int] = ()) -> None:
         self.stream = stream
         self.epoch = epoch
         self.prepare = prepare
@@ -496,6 +528,8 @@ class EpochRun:
         self.index = skip
         self.cancelled = False
         self.skipped = 0
+        self.skipped_at: list[int] = []  # positions of the shards skipped, in order
+        self._preskipped = frozenset(skipped)
         self.exhausted = False
         self.key_error: BaseException | None = None
         self.last_wait_s = 0.0
@@ -520,7 +554,13 @@ class EpochRun:
             if key is _END:
                 self.exhausted = True
                 break
-            self.pending.append((key, self.index, self._submit(key, self.index)))
+            if self.index in self._preskipped:  # failed before the resume: skipped again
+                logger.debug("shard %r (epoch %d) stays skipped, as before the resume", key,
+                             self.epoch)
+                self.skipped += 1
+                self.skipped_at.append(self.index)
+            else:
+                self.pending.append((key, self.index, self._submit(key, self.index)))
             self.index += 1
         last = self.stream.num_epochs is not None and self.epoch + 1 >= self.stream.num_epochs
         if ahead and self.exhausted and self.finite and len(self.pending) < depth \
@@ -602,12 +642,21 @@ class EpochRun:
                     logger.warning("skipping shard %r (epoch %d): %s", key, self.epoch, summary)
                     logger.debug("shard %r failure in full: %s", key, exc)
                     self.skipped += 1
+                    self.skipped_at.append(index)
                     stream.stats.add_shard(ShardRecord(key, self.epoch,
                                                        error=f"{type(exc).__name__}: {exc}"))
                     return None
                 raise
             stream.stats.add_shard(shard.record)
             stream._remember_size(key, self.epoch, len(shard))
+            expected = stream.shard_size(key, self.epoch) if stream.declared_size(key) \
+                is not None else None
+            if expected is not None and expected != len(shard):
+                logger.warning(
+                    "shard %r (epoch %d) gives this part %d samples after transform, but "
+                    "shard_sizes declares %d: batch counts (len(), even_batches) follow the "
+                    "declared sizes on every rank, and a part left short repeats its last batch. "
+                    "Fix shard_sizes", key, self.epoch, len(shard), expected)
             logger.info("shard %r ready: %d samples (generate %.2f s, load %.2f s, "
                         "transform %.2f s%s)", key, len(shard), shard.record.generate_s,
                         shard.record.load_s, shard.record.transform_s,

@@ -1,0 +1,344 @@
+"""One pass over an epoch: the stages wired together, batches yielded, and where it stands.
+
+A pass wires an epoch's stages: the stream's :class:`~gluon_stream.stream.EpochRun` (shards in
+order), a feed (units: shards, or the mixed units of a shuffle window), the
+:class:`~gluon_stream.batching.BatchPlanner` (which samples form which batch), a batch path
+(slices, or per-sample work on workers) and, with even_batches, :class:`EvenBatches`. Each
+stage owns its position; :attr:`EpochPass.state` composes them after the last batch yielded,
+so a :class:`~gluon_stream.state.LoaderState` taken between any two batches, the last one
+included, resumes exactly.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+from ._mx import arrays as mx_arrays
+from ._random import batch_seed
+from .batching import Batch, BatchPlanner, Position, Segment, WindowMixer
+from .errors import InvalidState, StreamError
+from .feed import Carry, Mixed, UnitFeed, WindowFeed
+from .progress import ProgressBar
+from .state import LoaderState
+from .stats import EpochRecord
+from .stream import EpochRun, ShardStream
+
+__all__ = ["EpochPass", "EvenBatches", "PassSettings"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PassSettings:
+    """What a loader decides for every pass."""
+
+    batch_size: int
+    last_batch: str
+    window: int  # shuffle_window
+    even: bool  # even_batches
+    progress: bool | str = False
+    ctx: Any = None  # place batches here (None: where the path makes them)
+
+
+class EvenBatches:
+    """even_batches on one part: only full batches and, with a ``limit`` (shards dealt to the
+    parts, sizes known), exactly ``limit`` of them; a part that runs short (skipped shards,
+    shards smaller than declared) repeats its last full batch. Its position is that batch."""
+
+    def __init__(self, batch_size: int, limit: int | None, start: LoaderState) -> None:
+        self.batch_size = batch_size
+        self.limit = limit
+        self.repeat: tuple[Segment, ...] = start.repeat if limit is not None else ()
+        self.repeat_number = start.repeat_number
+        self.repeat_data: Any = None  # the repeated batch's data, once known
+
+    def admits(self, batch: Batch) -> bool:
+        """Whether a planned batch is delivered: a short one never is."""
+        return batch.size == self.batch_size
+
+    def reached(self, delivered: int) -> bool:
+        return self.limit is not None and delivered >= self.limit
+
+    def delivered(self, batch: Batch, data: Any, number: int) -> None:
+        if self.limit is not None:  # kept only to repeat it; it pins its shard
+            self.repeat, self.repeat_number, self.repeat_data = batch.segments, number, data
+
+
+class EpochPass:
+    """One pass over epoch ``start.epoch`` from ``start`` (see the module doc).
+
+    Iterate it once. :attr:`state` is where the pass stands after the last batch it yielded
+    (``start`` before the first); :attr:`finished` is true once it ran to its end.
+    """
+
+    def __init__(self, stream: ShardStream, path: Any, settings: PassSettings,
+                 start: LoaderState, limit: int | None, expected: int | None = None,
+                 carry: Carry | None = None) -> None:
+        self.stream, self.path, self.settings = stream, path, settings
+        self.start = self.state = start
+        self.carry = carry  # the data of start's carry, when the last pass rolled it over
+        self.even = EvenBatches(settings.batch_size, limit, start) if settings.even else None
+        self.expected = expected  # batches in the epoch, for the progress bar
+        self.finished = False
+        self.names: tuple[str, ...] | None = None  # the arrays' names, once a batch is made
+
+    @property
+    def epoch(self) -> int:
+        return self.start.epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.start.position.end:  # the rest of an ended epoch: nothing
+            return self._ended()
+        return self._batches()
+
+    def _ended(self) -> Iterator[Any]:
+        self.finished = True
+        return
+        yield
+
+    # -- the epoch's batches ----------------------------------------------------------------
+    def _batches(self) -> Iterator[Any]:
+        stream, path, settings, start = self.stream, self.path, self.settings, self.start
+        k = settings.window
+        position = start.position
+        if self.even is not None and self.even.reached(start.delivered):  # a limit of 0
+            self.stream.set_epoch(start.epoch + 1)
+            self._advance(position.ended(), start.delivered, ())
+            self.finished = True
+            return
+        run = stream.start_epoch(skip=WindowMixer.first_shard(position.unit, k),
+                                 prepare=path.prepare,
+                                 skipped=[j for e, j in start.skipped if e == start.epoch])
+        stats = stream.stats
+        clock = stats.clock
+        record = stats.new_epoch(run.epoch)
+        t_start = waiting_since = clock()
+        bar = (ProgressBar(run.epoch, self.expected,
+                           live=True if settings.progress == "live" else None)
+               if settings.progress else None)
+        try:
+            carry = self.carry if self.carry is not None else \
+                self._rebuild_carry(position.carry, start.skipped)
+            self.carry = carry  # what rolls over at the end, once the planner is done
+            planner = BatchPlanner(settings.batch_size, settings.last_batch, position)
+            if k > 1:
+                mixer = WindowMixer(k, stream.seed, run.epoch, first_unit=position.unit)
+                budget = max(stream.prefetch, k) + 1
+                feed: UnitFeed = WindowFeed(run, planner, carry, path, record, mixer, budget)
+            else:
+                feed = UnitFeed(run, planner, carry, path, record)
+            delivered = start.delivered
+            seed, epoch = stream.seed, run.epoch
+            batches = path.batches(feed, carry, first=delivered,
+                                   seed_of=lambda n: batch_seed(seed, epoch, n))
+            if settings.ctx is not None:
+                batches = _placed(batches, path, settings.ctx)
+            even = self.even
+            last_unit, shard_wait, waits = None, 0.0, 0
+            units = None if run.key_list is None else (
+                len(run.key_list) + k - 1 if k > 1 else len(run.key_list))
+            run.start()  # producers start on the first shards before anything below can wait
+            for planned, batch in batches:
+                if even is not None and not even.admits(planned):
+                    continue  # even_batches: only full batches
+                now = clock()
+                if record.first_batch_s is None:
+                    record.first_batch_s = now - t_start
+                record.stall_s += now - waiting_since
+                unit = planned.segments[-1].unit
+                if last_unit is not None and unit != last_unit and run.waits == waits:
+                    # the first batch of a shard that was produced in time: what switching to
+                    # it cost (after a wait for production, refilling the workers is a stall)
+                    waited = feed.shard_wait_s - shard_wait
+                    record.rotation_s.append(max(0.0, now - waiting_since - waited))
+                last_unit, shard_wait, waits = unit, feed.shard_wait_s, run.waits
+                stats.add_span("train", "wait", waiting_since, now)
+                record.batches += 1
+                record.samples += planned.size
+                delivered += 1
+                after = planned.after
+                if even is not None:
+                    even.delivered(planned, batch, delivered - 1)
+                    if even.reached(delivered):
+                        after = after.ended()
+                self._advance(after, delivered, run.skipped_at, units)
+                if bar is not None:
+                    record.wall_s = now - t_start
+                    bar.update(record, run.ready_ahead())
+                self.names = feed.names
+                yield batch
+                waiting_since = clock()
+                stats.add_span("train", "busy", now, waiting_since)
+                if after.end:
+                    break  # even_batches: every part stops after the same number of batches
+            end = self.state.position if self.state.position.end else feed.end
+            if even is not None and not even.reached(delivered) and even.limit is not None:
+                assert feed.end is not None
+                stop = Position(run.epoch, feed.end.unit)  # the repeats come after the units
+                yield from self._repeat(even, delivered, run, record, stop)
+                end = stop.ended()
+            assert end is not None  # the feed ended (a failure raised above)
+            self._advance(end, self.state.delivered, run.skipped_at)
+            record.complete = True
+            self.finished = True
+            fresh = not start.delivered and position.unit == position.offset == 0
+            if not record.samples and fresh:
+                logger.warning("epoch %d delivered no samples: %s", run.epoch,
+                               _empty_reason(run, feed, settings.batch_size,
+                                             settings.last_batch))
+        finally:
+            run.cancel()
+            record.skipped_shards = run.skipped
+            record.wall_s = clock() - t_start
+            if bar is not None:
+                bar.close(record)
+
+    def _advance(self, position: Position, delivered: int, skipped_at: Sequence[int],
+                 units: int | None = None) -> None:
+        """The pass stands at ``position`` after ``delivered`` batches: compose the state.
+
+        ``units``: the epoch's count of units, where known: a position past all of them, with
+        nothing left to deliver, is the end of the epoch (said so at once, not on the next
+        pass).
+        """
+        settings = self.settings
+        if units is not None and not position.end and position.unit >= units \
+                and not position.offset and not (position.carry and settings.last_batch == "keep"
+                                                 and not settings.even):
+            position = Position(position.epoch, position.unit, 0,
+                                position.carry if settings.last_batch == "rollover" else (),
+                                True)
+        even = self.even
+        repeat = even.repeat if even is not None else ()
+        number = even.repeat_number if even is not None else 0
+        epoch, window = position.epoch, self.settings.window
+        needed = [(s.epoch, s.unit) for s in position.carry + repeat]
+        if not position.end:
+            needed.append((epoch, position.unit))
+        first: dict[int, int] = {}  # epoch -> the first shard a resume reads
+        for e, unit in needed:
+            first[e] = min(first.get(e, unit), WindowMixer.first_shard(unit, window))
+        skipped = {(e, j) for e, j in self.start.skipped if j >= first.get(e, j + 1)}
+        skipped |= {(epoch, j) for j in skipped_at if j >= first.get(epoch, j + 1)}
+        self.state = LoaderState(position, delivered, tuple(sorted(skipped)), repeat, number)
+
+    def _repeat(self, even: EvenBatches, delivered: int, run: EpochRun, record: EpochRecord,
+                stop: Position) -> Iterator[Any]:
+        """even_batches: skipped shards (or shards smaller than declared) left this part short
+        of the count every part yields; repeat its last batch, so that synchronous training
+        does not wait for it forever."""
+        assert even.limit is not None
+        missing = even.limit - delivered
+        data = even.repeat_data
+        if data is None and even.repeat:  # resumed while repeating: make that batch again
+            chunks = self._rebuild(even.repeat, self.start.skipped)
+            data = self.path.join(chunks, batch_seed(self.stream.seed, run.epoch,
+                                                     even.repeat_number))
+            if self.settings.ctx is not None:
+                data = mx_arrays.place(data, self.settings.ctx)
+        if data is None:
+            stream = self.stream
+            raise StreamError(
+                f"part {stream.part_index} of {stream.num_parts} has no batch to give in "
+                f"epoch {run.epoch} ({run.skipped} shard(s) skipped) while the others yield "
+                f"{even.limit}: synchronous training cannot go on; see the warnings above")
+        logger.warning("epoch %d: part %d of %d is %d batch(es) short of the %d every part "
+                       "yields (even_batches=True; %d shard(s) skipped); repeating its last "
+                       "batch %d time(s)", run.epoch, self.stream.part_index,
+                       self.stream.num_parts, missing, even.limit, run.skipped, missing)
+        for _ in range(missing):
+            record.batches += 1
+            delivered += 1
+            self._advance(stop.ended() if even.reached(delivered) else stop, delivered,
+                          run.skipped_at)
+            yield data
+
+    # -- a resumed position's data ----------------------------------------------------------
+    def _rebuild_carry(self, segments: Sequence[Segment],
+                       skipped: Sequence[tuple[int, int]]) -> Carry:
+        carry = Carry()
+        for seg, chunk in zip(segments, self._rebuild(segments, skipped)):
+            carry.add(seg, chunk)
+        return carry
+
+    def _rebuild(self, segments: Sequence[Segment],
+                 skipped: Sequence[tuple[int, int]]) -> list[tuple]:
+        """The rows of ``segments``, cut from their units produced again (a resume)."""
+        chunks = []
+        for seg in segments:
+            unit = self._unit_again(seg, skipped)
+            if seg.stop > len(unit):
+                raise InvalidState(
+                    f"the state holds rows {seg.start}..{seg.stop - 1} of {_unit_name(seg)} of "
+                    f"epoch {seg.epoch}, which now holds only {len(unit)} samples: the data "
+                    "changed since the state was saved; start the epoch afresh")
+            chunks.append(self.path.cut(unit, seg))
+        return chunks
+
+    def _unit_again(self, seg: Segment, skipped: Sequence[tuple[int, int]]) -> Any:
+        """Unit ``seg.unit`` of epoch ``seg.epoch``, produced again."""
+        stream, window = self.stream, self.settings.window
+        keys = stream.epoch_keys(seg.epoch)[2]
+        prepare = self.path.prepare
+        if window == 1:
+            key = keys[seg.unit] if keys is not None and seg.unit < len(keys) else seg.key
+            return stream.produce_now(key, seg.epoch, prepare)
+        if keys is None:
+            raise InvalidState("a state that holds samples of a mixed unit of an endless key "
+                               "iterator cannot be resumed: its shards cannot be named again")
+        mixer = WindowMixer(window, stream.seed, seg.epoch, first_unit=seg.unit)
+        shards, units = {}, []
+        for j in range(mixer.first_shard(seg.unit, window), min(seg.unit + 1, len(keys))):
+            if (seg.epoch, j) in skipped:  # failed before: an empty shard in the mix, as it was
+                continue
+            shards[j] = stream.produce_now(keys[j], seg.epoch, prepare)
+            units.extend(mixer.add(j, len(shards[j])))
+        units.extend(mixer.finish())
+        unit = next((u for u in units if u.index == seg.unit), None)
+        if unit is None:
+            raise InvalidState(f"the state holds samples of mixed unit {seg.unit} of epoch "
+                               f"{seg.epoch}, which does not exist: the keys changed")
+        used = {j: shards[j] for j in set(unit.shards.tolist())}
+        newest = shards.get(seg.unit)
+        return self.path.mix(Mixed(unit, used, newest.key if newest else None))
+
+
+def _unit_name(seg: Segment) -> str:
+    return f"shard {seg.key!r}" if seg.key is not None else f"unit {seg.unit}"
+
+
+def _placed(batches: Iterator[tuple], path: Any, ctx: Any) -> Iterator[tuple]:
+    """Batches copied to ``ctx``, the next one's copy started before the current one is handed
+    out whenever the next one is ready (never waiting for it)."""
+    item = next(batches, None)
+    current = None if item is None else (item[0], mx_arrays.place(item[1], ctx))
+    while current is not None:
+        ahead = path.ready()
+        if not ahead:
+            yield current
+        try:
+            item = next(batches, None)
+        except BaseException:
+            if ahead:  # what the loop would have had before the error
+                yield current
+            raise
+        following = None if item is None else (item[0], mx_arrays.place(item[1], ctx))
+        if ahead:
+            yield current
+        current = following
+
+
+def _empty_reason(run: EpochRun, feed: UnitFeed, batch_size: int, last_batch: str) -> str:
+    """Why an epoch gave no batch, in words (for its one WARNING)."""
+    shards = run.index
+    if not shards:
+        return "it has no keys"
+    if run.skipped == shards:
+        return f"all {shards} shards were skipped (on_error='skip'; see the warnings above)"
+    if feed.samples:
+        return (f"its {feed.samples} samples are fewer than batch_size={batch_size} and "
+                f"last_batch={last_batch!r} keeps them out of this epoch")
+    return (f"its {shards} shard(s) hold no samples (does a transform return 0 rows, e.g. "
+            "windows longer than the shard?)")
+
