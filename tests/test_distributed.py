@@ -73,10 +73,11 @@ def test_even_batches_without_any_size_known(num_parts, options):
     for epoch in (0, 1):
         parts = [part(r, epoch) for r in range(num_parts)]
         assert len({len(p) for p in parts}) == 1  # the same number of batches ...
-        assert len({tuple(len(b) for b in p) for p in parts}) == 1  # ... of the same sizes
+        assert all(len(b) == 4 for p in parts for b in p)  # ... all full
         flat = [i for p in parts for b in p for i in b]
         assert len(flat) == len(set(flat))  # disjoint
-        assert len(flat) >= sum(SIZES) - (num_parts - 1) * len(SIZES)
+        # each rank loses < num_parts samples per shard (its stride) and its short tail
+        assert len(flat) >= sum(SIZES) - (num_parts - 1) * len(SIZES) - num_parts * 3
         assert set(flat) <= {1000 * k + i for k, n in enumerate(SIZES) for i in range(n)}
 
     assert part(0, 0) == part(0, 0)  # deterministic
@@ -219,5 +220,81 @@ def test_ranks_as_real_processes(tmp_path, known):
     if known:
         assert len(flat) >= sum(SIZES) - 3 * 4 * 2
     else:  # at most num_parts - 1 samples lost per shard, and the same batch sizes everywhere
-        assert len(flat) >= sum(SIZES) - 2 * len(SIZES)
+        assert len(flat) >= sum(SIZES) - 2 * len(SIZES) - 3 * 3
         assert len({tuple(len(b) for b in o) for o in outs}) == 1
+
+
+# -- equal batch counts across ranks, whatever happens (issue 17, item 5) ---------------------
+def counts_and_len(num_parts, epochs=3, **kw):
+    """Per rank and epoch: (len() before the pass, batches yielded)."""
+    out = []
+    for rank in range(num_parts):
+        src = gs.FunctionSource(range(len(SIZES)), id_shards(SIZES))
+        with gs.StreamLoader(src, batch_size=4, num_parts=num_parts, part_index=rank, seed=3,
+                             shuffle=True, even_batches=True, **kw) as loader:
+            row = []
+            for epoch in range(epochs):
+                loader.set_epoch(epoch)
+                try:
+                    expected = len(loader)
+                except TypeError:  # sizes unknown before the first pass
+                    expected = None
+                row.append((expected, len(list(loader))))
+            out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("kw", [{"shard_sizes": dict(enumerate(SIZES))}, {}],
+                            ids=["sizes-known", "sizes-unknown"])
+def test_len_is_what_every_rank_yields(kw):
+    table = counts_and_len(2, **kw)
+    for epoch in range(3):
+        pairs = {row[epoch] for row in table}
+        assert len(pairs) == 1  # the same len() and the same count on every rank ...
+        expected, got = pairs.pop()
+        assert expected == got or (expected is None and epoch == 0 and not kw), epoch
+        # ... and len() is what is yielded (known from the first pass on without sizes)
+
+
+def test_lying_shard_sizes_keep_the_ranks_equal_every_epoch(caplog):
+    """shard_sizes=5 for shards of 0..11 samples: every epoch counts with the declared sizes,
+    never with the sizes a rank saw, so the ranks stay equal (a rank left short repeats)."""
+    table = counts_and_len(2, shard_sizes=5)
+    for epoch in range(3):
+        assert len({row[epoch] for row in table}) == 1
+    assert "shard_sizes declares 5" in caplog.text
+
+
+def test_deal_samples_yields_only_full_batches():
+    for rank in range(3):
+        src = gs.FunctionSource(range(len(SIZES)), id_shards(SIZES))
+        with gs.StreamLoader(src, batch_size=4, num_parts=3, part_index=rank, seed=3,
+                             even_batches=True) as loader:
+            assert loader.stream.deal == "samples"
+            assert all(len(b) == 4 for b in (batch_ids(x) for x in loader))
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_a_state_taken_while_a_short_rank_repeats_resumes_exactly(rank):
+    """even_batches + shard_sizes + a skipped shard: states saved after the rank's last real
+    batch and while it repeats it resume the repeats, as the uninterrupted run gave them."""
+    def fn(key):
+        if key == 3:
+            raise ValueError("shard 3 fails")
+        return id_shards(SIZES)(key)
+
+    def make():
+        return gs.StreamLoader(gs.FunctionSource(range(len(SIZES)), fn), batch_size=4,
+                               num_parts=3, part_index=rank, seed=3, even_batches=True,
+                               shard_sizes=dict(enumerate(SIZES)), on_error="skip")
+
+    with make() as loader:
+        reference = [batch_ids(b) for b in loader]
+    for k in range(1, len(reference) + 1):
+        with make() as first:
+            batches = iter(first)
+            head = [batch_ids(next(batches)) for _ in range(k)]
+            state = json.loads(json.dumps(first.state_dict()))
+        with make() as second:
+            second.load_state_dict(state)
+            assert head + [batch_ids(b) for b in second] == reference, k

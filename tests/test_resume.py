@@ -94,7 +94,7 @@ def test_a_state_taken_after_loading_and_before_the_first_batch_is_the_loaded_on
     with make() as first:
         run(first, stop_after=5)
         saved = first.state_dict()
-    assert (saved["shard"], saved["offset"]) != (0, 0)
+    assert (saved["unit"], saved["offset"]) != (0, 0)
     with make() as second:
         second.load_state_dict(saved)
         assert second.state_dict() == saved  # before iterating
@@ -115,7 +115,7 @@ def test_a_changed_key_list_is_refused_instead_of_repeating_samples():
     with make() as loader:
         run(loader, stop_after=7)
         state = loader.state_dict()
-    assert state["keys"]["count"] == state["shard"] + 1
+    assert state["keys"]["count"] == state["unit"] + 1
     # one key renamed: the epoch order of the others is kept, but the digest of every prefix
     # that reaches it differs (and the shuffled order moves, so the prefix does reach it)
     changed = gs.FunctionSource(lambda epoch: [10 * epoch + i for i in (1, 2, 3, 4, 5, 6)], fn)
@@ -124,22 +124,132 @@ def test_a_changed_key_list_is_refused_instead_of_repeating_samples():
             other.load_state_dict(state)
 
 
-@pytest.mark.parametrize("field, value, match", [
-    ("shard", -1, r"'shard' must be an integer >= 0"),
-    ("offset", "5", r"'offset' must be an integer >= 0"),
-    ("batches", -7, r"'batches' must be an integer >= 0"),
-    ("epoch", True, r"'epoch' must be an integer >= 0"),
-    ("carry", [{"epoch": 0, "index": 0, "key": 3, "start": 4, "end": 2}], r"carry\[0\].*no samples"),
-    ("carry", [{"epoch": 9, "index": 0, "key": 3, "start": 0, "end": 2}], r"after the state's epoch"),
-    ("carry", [{"epoch": 0, "index": 0, "key": 3, "start": 0, "end": 9}], r"a batch or more"),
-    ("carry", "nowhere", r"'carry' must be a list"),
-    ("version", 1, r"'version' is 1"),
+@pytest.mark.parametrize("field, value", [
+    ("unit", -1), ("unit", 10 ** 6), ("offset", "5"), ("offset", 3), ("batches", -7),
+    ("epoch", True), ("epoch", 1), ("end", True), ("skipped", [[0, 1]]),
+    ("carry", [{"epoch": 0, "unit": 0, "key": 3, "start": 0, "stop": 2}]), ("carry", "nowhere"),
 ])
-def test_every_field_of_a_state_is_checked(field, value, match):
+def test_a_hand_edited_state_is_refused(field, value):
     with make() as loader:
         run(loader, stop_after=3)
         state = dict(loader.state_dict())
     state[field] = value
     with make() as other:
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(gs.InvalidState, match=r"do not match its checksum"):
             other.load_state_dict(state)
+
+
+def test_a_state_of_another_version_names_it():
+    with make() as loader:
+        state = dict(loader.state_dict(), version=2)
+        with pytest.raises(gs.InvalidState, match=r"'version' is 2; this gluon_stream reads "
+                                                   r"version 3"):
+            loader.load_state_dict(state)
+
+
+# -- the end of an epoch is a position (torchdata's StatefulDataLoader convention) ----------------
+def even_source(size):
+    """4 shards of ``size`` samples each, with ids."""
+    import numpy as np
+    return gs.FunctionSource(range(4), lambda k: np.arange(size, dtype=np.int64) + 1000 * k)
+
+
+def at_end(batch_size, size, window=1, epochs=3):
+    """(uninterrupted batches per epoch, a state taken after epoch 0's last batch, before the
+    loop saw its end)."""
+    def make_one():
+        return gs.StreamLoader(even_source(size), batch_size=batch_size, shuffle=True, seed=5,
+                               shuffle_window=window)
+    with make_one() as loader:
+        reference = [[batch_ids(b) for b in loader] for _ in range(epochs)]
+    with make_one() as first:
+        batches = iter(first)
+        for _ in reference[0]:
+            next(batches)
+        state = json.loads(json.dumps(first.state_dict()))
+    return make_one, reference, state
+
+
+@pytest.mark.parametrize("window", [1, 2])
+@pytest.mark.parametrize("batch_size, size", [(4, 4), (3, 4)], ids=["full-last", "short-last"])
+def test_a_state_after_the_last_batch_says_end_of_epoch(batch_size, size, window, caplog):
+    make_one, reference, state = at_end(batch_size, size, window)
+    assert state["epoch"] == 0 and state["end"] is True
+    flat = [b for epoch in reference[1:] for b in epoch]
+
+    with make_one() as loader:  # (a): load, iterate the rest (nothing), then the next epochs
+        loader.load_state_dict(state)
+        rest = [batch_ids(b) for b in loader]
+        assert rest == [] and loader.epoch == 1
+        after = []
+        for epoch in (1, 2):
+            loader.set_epoch(epoch)
+            after += [batch_ids(b) for b in loader]
+        assert after == flat
+
+    with make_one() as loader:  # (b), the README's loop: from the state's epoch on
+        loader.load_state_dict(state)
+        got = []
+        for epoch in range(state["epoch"], 3):
+            loader.set_epoch(epoch)
+            got += [batch_ids(b) for b in loader]
+        assert got == flat
+
+    with make_one() as loader:  # the user's own counter says epoch 1 is next
+        loader.load_state_dict(state)
+        got = []
+        for epoch in (1, 2):
+            loader.set_epoch(epoch)
+            got += [batch_ids(b) for b in loader]
+        assert got == flat
+    assert "no samples" not in caplog.text and "from its beginning" not in caplog.text
+
+
+def test_a_state_after_the_loop_saw_the_end_says_the_next_epoch():
+    make_one, reference, _ = at_end(3, 4)
+    with make_one() as first:
+        assert [batch_ids(b) for b in first] == reference[0]
+        state = first.state_dict()
+    assert state["epoch"] == 1 and state["end"] is False and state["batches"] == 0
+    with make_one() as second:
+        second.load_state_dict(state)
+        assert [batch_ids(b) for b in second] == reference[1]
+
+
+def test_module_fit_resumes_from_the_end_of_an_epoch():
+    """StreamIter under Module.fit: begin at ``state['epoch'] + state['end']``."""
+    import numpy as np
+
+    def shard(k):
+        ids = np.arange(4, dtype=np.float32) + 1000 * k
+        return ids[:, None], ids
+
+    def make_one():
+        return gs.StreamLoader(gs.FunctionSource(range(4), shard), batch_size=4, shuffle=True,
+                               seed=5)
+
+    def fit(loader, begin, seen):
+        net = mx.sym.LinearRegressionOutput(
+            mx.sym.FullyConnected(mx.sym.Variable("data"), num_hidden=1),
+            mx.sym.Variable("lin_label"), name="lin")
+        it = gs.StreamIter(loader, label_names=["lin_label"])
+        it.set_epoch(begin)
+        mod = mx.mod.Module(net, label_names=["lin_label"], context=mx.cpu())
+        mod.fit(it, begin_epoch=begin, num_epoch=3, optimizer="sgd",
+                batch_end_callback=lambda p: seen.append(
+                    [int(x) for x in p.locals["data_batch"].data[0].asnumpy().ravel()]))
+
+    reference: list = []
+    with make_one() as loader:
+        fit(loader, 0, reference)
+    with make_one() as first:
+        batches = iter(first)
+        for _ in range(len(reference) // 3):
+            next(batches)
+        state = json.loads(json.dumps(first.state_dict()))
+    assert state["end"]
+    resumed: list = []
+    with make_one() as loader:
+        loader.load_state_dict(state)
+        fit(loader, state["epoch"] + state["end"], resumed)
+    assert resumed == reference[len(reference) // 3:]

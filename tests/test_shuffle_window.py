@@ -229,3 +229,37 @@ def test_a_failure_met_while_looking_ahead_is_raised_where_the_loop_reaches_it(p
     assert deferred, "the look-ahead never met the failing shard"
     monkeypatch.setattr(stream.EpochRun, "has_shard", lambda self: False)  # never ahead
     assert ahead == run() and ahead  # the same batches, then the same error
+
+
+@pytest.mark.parametrize("failing", [0, 2, 4, (1, 2)])
+def test_resume_is_exact_around_a_skipped_shard(failing):
+    """A shard that fails (on_error='skip') anywhere in the window: the state records it, so a
+    resume from any batch mixes it as the empty shard it was, without producing it again."""
+    failing = set(failing) if isinstance(failing, tuple) else {failing}
+    made = []
+
+    def fn(key):
+        made.append(key)
+        if key in failing:
+            raise ValueError(f"shard {key} fails")
+        return id_shards(SIZES)(key)
+
+    def make():
+        return gs.StreamLoader(gs.FunctionSource(range(len(SIZES)), fn), batch_size=3,
+                               shuffle=True, seed=2, shuffle_window=3, on_error="skip")
+
+    with make() as loader:
+        reference = [batch_ids(b) for b in loader]
+    for k in range(1, len(reference) + 1):
+        with make() as first:
+            batches = iter(first)
+            head = [batch_ids(next(batches)) for _ in range(k)]
+            state = json.loads(json.dumps(first.state_dict()))
+        made.clear()
+        with make() as second:
+            order = second.stream.epoch_keys(0)[2]
+            second.load_state_dict(state)
+            assert head + [batch_ids(b) for b in second] == reference, k
+        recorded = {order[j] for _, j in state["skipped"]}
+        assert recorded <= failing
+        assert not recorded & set(made)  # skipped again without being produced again
