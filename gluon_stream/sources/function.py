@@ -11,7 +11,7 @@ import numpy as np
 from ..errors import ShardError, StreamError
 from ..keys import Keys
 from ..shardfile import normalize_arrays, write_shard
-from .base import CachingSource, RawShard
+from .base import CachingSource, RawShard, run_elsewhere
 
 __all__ = ["FunctionSource"]
 
@@ -81,13 +81,14 @@ class FunctionSource(CachingSource):
         if executor is None:
             arrays = self.call(key)
         else:
-            arrays = executor.submit(_call_remote, self, key).result()
+            arrays = run_elsewhere(executor, _call_remote, self, key)
         return RawShard(key, epoch, arrays, None, False, time.perf_counter() - t0, 0.0)
 
     def _create(self, key: Any, epoch: int) -> str:
         arrays = self.call(key)
         suffix = ".npy" if len(arrays) == 1 else ".npz"
-        return write_shard(self._cache.temp_path(self.shard_name(key, epoch), suffix), arrays)
+        temp = self._require_cache().temp_path(self.shard_name(key, epoch), suffix)
+        return write_shard(temp, arrays)
 
 
 def _call_remote(source: FunctionSource, key: Any) -> tuple[np.ndarray, ...]:
