@@ -25,6 +25,8 @@ class FunctionSource(CachingSource):
     MXNet NDArrays in any of those places, all with the same first dimension (the samples).
     A list of arrays that differ in shape or dtype is read as columns; a list of same-shaped
     arrays is refused as ambiguous (rows or columns?): return a tuple, or ``np.stack(rows)``.
+    A list of samples ``(data, label, ...)``, as a Gluon list dataset holds them
+    (``[([1, 2], 0), ([3, 4], 1)]``), becomes one column per field.
     With ``cache_dir`` the result is written there atomically and later runs load it instead
     of calling ``fn``; without, ``fn`` runs every time the shard is needed and its arrays live
     only in memory while the shard is in the pipeline.
