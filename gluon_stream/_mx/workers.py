@@ -19,16 +19,21 @@ Three ways to run a :class:`~gluon_stream._mx.samples.BatchMaker`, one interface
 
 Random augmentation (the ``seed`` of :meth:`submit`, apache/mxnet#9335): worker processes
 forked from one process inherit one numpy, one ``random`` and one MXNet RNG state, so without
-care they repeat each other's draws. A batch submitted with a seed is made with numpy's global
-RNG and ``random`` (and, in worker processes, MXNet's CPU RNG) seeded from it
-(:func:`~gluon_stream._mx.samples.seeded_globals`): draws differ between batches and epochs,
-and a batch draws the same numbers on any number of worker processes, after a worker's death,
-and after a resume. With ``num_workers=0`` the numpy and ``random`` draws are the same as in
-worker processes, and the loop's own RNG states are restored after each batch; MXNet's RNG
-is not seeded there (its state cannot be restored). **Threads are not seeded**: the global
-RNGs are shared by every thread of the process, so a seed set for one batch would be
-consumed by whichever batches run at the same time; with ``thread_pool=True`` augmentation
-draws from the process's RNGs as they stand, random but not reproducible.
+care they repeat each other's draws. A batch is made with the global RNGs seeded from its seed
+(:func:`~gluon_stream._mx.samples.seeded_globals`), so draws differ between batches and epochs,
+and a batch draws the same numbers on any number of worker processes, after a worker's death
+and after a resume. Per kind of worker:
+
+* processes: numpy's, ``random``'s and MXNet's CPU RNG are seeded. Seeding MXNet's costs about
+  1.7 ms of a worker's CPU per batch (MXNet reseeds every one of its parallel generators).
+* ``num_workers=0``: numpy's and ``random``'s, which draw what the processes draw, and are put
+  back after each batch, so the loop's own draws are as if the loader were not there. MXNet's
+  RNG is not seeded (its state cannot be saved and restored). Another thread drawing from the
+  global RNGs meanwhile (a ``FunctionSource`` function in a producer thread) shares the
+  batch's seeded state: such code should draw from its own ``np.random.default_rng``.
+* threads: **not seeded**. The global RNGs are shared by every thread, so a seed set for one
+  batch would be consumed by whichever batches run at the same time; augmentation draws from
+  the process's RNGs as they stand: random, never repeated, but not reproducible.
 
 The interface: :meth:`attach` a source (a shard, or samples carried over) under an id,
 :meth:`submit` batches as ``[(source id, rows), ...]``, take each :meth:`result` (in any order
@@ -551,8 +556,8 @@ class ProcessWorkers:
 
     def _retire(self, worker: _Worker, kill: bool) -> int | None:
         """Take a dead (or, with ``kill``, a stuck) worker out of the pool; its exit code.
-        One still running a second later (its socket failed while it lived) is killed."""
-        self._workers.remove(worker)
+        One still running a second later (its socket failed while it lived) is killed. It
+        leaves the pool only once reaped: interrupted before, close() still ends it."""
         if kill:
             worker.process.kill()
         worker.process.join(EXIT_S)
@@ -562,6 +567,7 @@ class ProcessWorkers:
             worker.process.kill()
             worker.process.join(EXIT_S)
         code = worker.process.exitcode
+        self._workers.remove(worker)
         worker.conn.close()
         worker.process.close()
         remove_worker_shm(worker.pid)
