@@ -4,6 +4,8 @@
 venv made by the README's demo command. It exits non-zero, with a traceback, at the first thing
 that does not work:
 
+* ``import mxnet`` comes first, as in a user's script: on numpy >= 1.24 (Python 3.12) it works
+  only through the import hook that installing gluon_stream puts in site-packages;
 * a StreamLoader trains a small Gluon network for a few batches (shuffled, across shards);
 * the per-sample path with two worker processes (a fork per shard) gives the same samples;
 * an exception raised by the user's transform reaches the loop with its own type and a note;
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import sys
 
+import mxnet as mx  # before gluon_stream: the import hook restores numpy's aliases
 import numpy as np
 
 import gluon_stream as gs
@@ -39,8 +42,6 @@ def refuse(arrays: tuple) -> tuple:
 
 def main() -> int:
     with gs.StreamLoader(source(), batch_size=BATCH, shuffle=True, seed=0) as loader:
-        import mxnet as mx  # after gluon_stream imported it (on 3.12, with numpy's aliases)
-
         net = mx.gluon.nn.Dense(1)
         net.initialize()
         trainer = mx.gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.05})

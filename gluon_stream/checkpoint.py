@@ -264,23 +264,19 @@ class StreamCheckpoint(_checkpoint_handler_base()):  # type: ignore[misc]
 
     def batch_end(self, estimator: Any, *args: Any, **kwargs: Any) -> Any:
         """Save as ``CheckpointHandler`` does; when it saved, save the loader's state beside."""
-        saves = bool(self.batch_period) and (self.current_batch + 1) % self.batch_period == 0
-        result = super().batch_end(estimator, *args, **kwargs)
-        if saves:
-            self._save_loader_state()
-        return result
+        return self._with_loader_state(super().batch_end, estimator, *args, **kwargs)
 
     def epoch_end(self, estimator: Any, *args: Any, **kwargs: Any) -> Any:
         """Save as ``CheckpointHandler`` does; when it saved, save the loader's state beside."""
-        saves = bool(self.epoch_period) and (self.current_epoch + 1) % self.epoch_period == 0
-        result = super().epoch_end(estimator, *args, **kwargs)
-        if saves:
-            self._save_loader_state()
-        return result
+        return self._with_loader_state(super().epoch_end, estimator, *args, **kwargs)
 
-    def _save_loader_state(self) -> None:
-        # CheckpointHandler appends each periodic save's prefix to saved_checkpoints (not the
-        # -best one); with max_checkpoints=0 it removes that save at once, and so do we.
-        if self.saved_checkpoints:
-            _save_state(self.loader,
-                        os.path.join(self.model_dir, self.saved_checkpoints[-1] + STATE_SUFFIX))
+    def _with_loader_state(self, event: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        # CheckpointHandler appends the prefix of each periodic save to saved_checkpoints (not
+        # the -best one's), so a new last entry is a save; with max_checkpoints=0 it removes
+        # the save at once and the list stays empty: nothing to write beside.
+        before = self.saved_checkpoints[-1:]
+        result = event(*args, **kwargs)
+        after = self.saved_checkpoints[-1:]
+        if after and after != before:
+            _save_state(self.loader, os.path.join(self.model_dir, after[0] + STATE_SUFFIX))
+        return result

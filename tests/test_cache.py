@@ -17,15 +17,16 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
 
 import gluon_stream as gs
-from _helpers import JOIN_S, batch_ids, dead, wait_for
+from _helpers import JOIN_S, all_ids, batch_ids, dead, id_shards, wait_for
 from fake_generator import (command, command_source as source, generator_runs as runs,
                             hidden_files, read_lines, shard_values)
-from gluon_stream.cache import ShardCache, parse_cache_limit
+from gluon_stream.cache import LocalShardCache, RemoteShardCache, parse_cache_limit
 from gluon_stream.cache import local as cache_local
 
 
@@ -79,11 +80,11 @@ sys.path.insert(0, {tests!r})
 import gluon_stream as gs
 from gluon_stream.cache import local as cache_local
 from fake_generator import command
-real_acquire = cache_local.ShardCache._acquire
-def acquire(self, lock, name):  # instrumented: announce the wait for the key's lock
+real_waiting = cache_local.LocalShardCache._waiting
+def waiting(self, name):  # instrumented: announce the wait for the key's lock
     open({waiting!r}, "w").close()
-    return real_acquire(self, lock, name)
-cache_local.ShardCache._acquire = acquire
+    return real_waiting(self, name)
+cache_local.LocalShardCache._waiting = waiting
 src = gs.CommandSource(["k1"], command("ok", workdir={work!r}, gate=True, rows=50),
                        cache_dir={cache!r}, retries=0, timeout=60)
 raw = src.produce("k1", 0)
@@ -131,13 +132,13 @@ def test_when_the_lock_holder_is_killed_the_waiter_takes_over(tmp_path, monkeypa
     holder = _spawn_child(tmp_path, "a")
     result, errors = {}, []
     waiting = threading.Event()
-    real_acquire = cache_local.ShardCache._acquire
+    real_waiting = cache_local.LocalShardCache._waiting
 
-    def acquire(self, lock, name):
+    def announce(self, name):
         waiting.set()
-        return real_acquire(self, lock, name)
+        return real_waiting(self, name)
 
-    monkeypatch.setattr(cache_local.ShardCache, "_acquire", acquire)
+    monkeypatch.setattr(cache_local.LocalShardCache, "_waiting", announce)
 
     def wait_then_produce():
         try:
@@ -225,7 +226,7 @@ def test_cache_limit_keeps_an_endless_stream_within_the_limit(tmp_path):
             seen.append(int(batch.asnumpy()[0]))
             peak = max(peak, len(cached(cache)))
     assert seen == list(range(300))  # nothing lost while shards came and went
-    assert peak <= 6 + 1  # + the one just finished, before its generation evicts
+    assert peak <= 6  # room is made before a shard is published
     assert len(cached(cache)) <= 6
     assert not [f for f in os.listdir(cache) if f.startswith(".")]  # no temp or lock files
 
@@ -248,19 +249,97 @@ def test_cache_limit_in_bytes_and_bad_values(tmp_path):
     assert sum(sizes) <= 3500 and len(sizes) == 3
 
 
-def test_eviction_never_removes_a_shard_being_read(tmp_path):
-    cache = ShardCache(tmp_path, lock_timeout=10, limit=1)
-    paths = []
-    for name in ("a", "b", "c"):
-        path, hit = cache.get_or_create(
-            name, lambda n=name: gs.write_shard(cache.temp_path(n, ".npy"), np.zeros(3)))
-        paths.append(path)
-        os.utime(path, (len(paths), len(paths)))  # a is the least recently used
-    with cache.reading(paths[0]):  # a reader holds 'a'
-        cache.enforce_limit(keep=paths[2])
-    assert cached(tmp_path) == ["a.npy", "c.npy"]  # b went; a was held, c was just made
-    cache.enforce_limit(keep=paths[2])
-    assert cached(tmp_path) == ["c.npy"]
+def maker(cache, name, size=3):
+    """A ``create`` for ``cache``: writes a shard of ``size`` zeros to a temp file."""
+    return lambda: gs.write_shard(cache.temp_path(name, ".npy"), np.zeros(size))
+
+
+def waited_for_room(caplog) -> bool:
+    return any("waiting for one to be released" in r.getMessage() for r in caplog.records)
+
+
+def test_room_is_made_before_publishing_never_over_the_limit(tmp_path, caplog):
+    """cache_limit=2 holds a and b, both being read: making c waits for one of them rather than
+    publish a third shard, then evicts the least recently used (was: c published, 3 files)."""
+    caplog.set_level(logging.INFO, logger="gluon_stream")
+    cache = LocalShardCache(tmp_path, lock_timeout=30, limit=2)
+    a, _ = cache.get_or_create("a", maker(cache, "a"))
+    b, _ = cache.get_or_create("b", maker(cache, "b"))
+    os.utime(a, (1, 1))  # a is the least recently used
+    result, errors = {}, []
+
+    def make_c():
+        try:
+            result["c"] = cache.get_or_create("c", maker(cache, "c"))
+        except Exception as exc:  # relayed to the test thread below
+            errors.append(exc)
+
+    thread = threading.Thread(target=make_c, name="gluon_stream-test-maker")
+    with cache.reading(b), cache.reading(a):  # leaving the block releases both
+        os.utime(a, (1, 1))
+        thread.start()
+        wait_for(lambda: (tmp_path / "c.npy").exists() or waited_for_room(caplog),
+                 what="c to be published or to wait for room")
+        assert cached(tmp_path) == ["a.npy", "b.npy"]  # never 3 shards
+    thread.join(JOIN_S)
+    assert not errors and result["c"] == (str(tmp_path / "c.npy"), False)
+    assert cached(tmp_path) == ["b.npy", "c.npy"]  # a, the least recently used, went
+    assert hidden_files(tmp_path) == []
+
+
+def test_a_shard_just_made_is_not_evicted_before_it_is_read(tmp_path, caplog):
+    """Another producer making room cannot take a shard made and not yet read."""
+    caplog.set_level(logging.INFO, logger="gluon_stream")
+    cache = LocalShardCache(tmp_path, lock_timeout=30, limit=1)
+    with cache.pinned("a", maker(cache, "a")) as (a, hit):
+        assert not hit
+        maker_b = threading.Thread(target=cache.get_or_create, args=("b", maker(cache, "b")),
+                                   name="gluon_stream-test-maker")
+        maker_b.start()
+        wait_for(lambda: waited_for_room(caplog), what="b to wait for room")
+        with cache.reading(a) as local:
+            np.testing.assert_array_equal(gs.load_shard(local)[0], np.zeros(3))
+    maker_b.join(JOIN_S)
+    assert cached(tmp_path) == ["b.npy"]
+
+
+def test_a_cache_that_stays_pinned_raises_rather_than_exceed_its_limit(tmp_path):
+    cache = LocalShardCache(tmp_path, lock_timeout=0.2, limit=1)
+    a, _ = cache.get_or_create("a", maker(cache, "a"))
+    with cache.reading(a), pytest.raises(gs.ShardError, match=r"shard 'b': cache_limit \(1 "
+                                                             r"shards\) leaves no room .*raise "
+                                                             r"cache_limit"):
+        cache.get_or_create("b", maker(cache, "b"))
+    assert cached(tmp_path) == ["a.npy"] and hidden_files(tmp_path) == []
+    small = LocalShardCache(tmp_path / "small", lock_timeout=10, limit="100B")
+    with pytest.raises(gs.ShardError, match=r"shard 'big' is \d+ bytes, more than cache_limit "
+                                            r"\(100 bytes\)"):
+        small.get_or_create("big", maker(small, "big", size=1000))
+    assert os.listdir(tmp_path / "small") == []
+
+
+def test_a_shard_dated_in_the_future_ages_like_the_others(tmp_path, caplog):
+    """A restored shard stamped a day ahead used to count as the most recently used forever: the
+    three keys then shared two places and were made again every epoch (9 runs, not 3)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    np.save(cache / "restored.npy", np.zeros(3))
+    ahead = time.time() + 86400
+    os.utime(cache / "restored.npy", (ahead, ahead))
+    calls = []
+
+    def fn(key):
+        calls.append(key)
+        return np.full(3, ord(key))
+
+    with gs.FunctionSource(["a", "b", "c"], fn, cache_dir=cache, cache_limit=3) as src:
+        for epoch in range(3):
+            for key in "abc":
+                assert src.produce(key, epoch).arrays[0].tolist() == [ord(key)] * 3
+    assert calls == ["a", "b", "c"]
+    assert cached(cache) == ["a.npy", "b.npy", "c.npy"]
+    (note,) = [r for r in caplog.records if "modified in the future" in r.getMessage()]
+    assert note.levelname == "WARNING" and "restored.npy" in note.getMessage()
 
 
 @pytest.mark.mxnet
@@ -295,6 +374,80 @@ def test_cache_dir_on_an_fsspec_filesystem(tmp_path):
             assert [batch_ids(b) for b in loader] == [[20000, 20001, 20002, 20003]]
     finally:
         fs.rm("/gs-cache", recursive=True)
+
+
+@pytest.mark.mxnet
+def test_an_fsspec_cache_dir_counts_samples_after_the_first_pass(tmp_path):
+    """len(), progress=True and even_batches on a fresh loader over an fsspec cache_dir raised
+    TypeError: RemoteShardCache.num_samples() takes 2 positional arguments but 3 were given."""
+    fsspec = pytest.importorskip("fsspec")
+    fs = fsspec.filesystem("memory")
+    fn = id_shards([4, 3, 5])
+    try:
+        src = gs.FunctionSource(range(3), fn, cache_dir="memory://gs-len")
+        with gs.StreamLoader(src, batch_size=2, last_batch="keep", progress=True) as loader:
+            with pytest.raises(TypeError, match=r"unknown for epoch 0: .*not in the cache yet"):
+                len(loader)
+            assert sorted(i for b in loader for i in batch_ids(b)) == all_ids([4, 3, 5])
+            assert len(loader) == 6  # 12 samples, known once seen
+        src = gs.FunctionSource(range(3), fn, cache_dir="memory://gs-len")
+        with gs.StreamLoader(src, batch_size=2, even_batches=True, num_parts=2,
+                             part_index=1) as loader:
+            assert len([b for b in loader]) == len(loader) == 3  # halves of 4, 3, 5: 2+1+2 rows
+    finally:
+        fs.rm("/gs-len", recursive=True)
+
+
+@pytest.fixture
+def gated_memory():
+    """A memory filesystem (``gatedmem://``) whose writes stop once a file is open, until the
+    test opens the gate: an upload caught in the middle, as a slow store would show it."""
+    fsspec = pytest.importorskip("fsspec")
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class GatedMemoryFileSystem(MemoryFileSystem):
+        protocol = "gatedmem"
+        opened = threading.Event()
+        gate = threading.Event()
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            return super()._strip_protocol(path.replace("gatedmem://", "memory://", 1))
+
+        def _open(self, path, mode="rb", *args, **kwargs):
+            f = super()._open(path, mode, *args, **kwargs)
+            if "w" in mode:
+                self.opened.set()
+                assert self.gate.wait(JOIN_S), "the test never opened the gate"
+            return f
+
+    fsspec.register_implementation("gatedmem", GatedMemoryFileSystem, clobber=True)
+    try:
+        yield GatedMemoryFileSystem
+    finally:
+        GatedMemoryFileSystem.gate.set()
+        fsspec.filesystem("memory").rm("/gs-gated", recursive=True)
+
+
+def test_an_upload_in_progress_is_never_found(gated_memory):
+    """On a filesystem whose files appear when opened (memory://), a shard being uploaded was
+    found empty by another producer: 'CorruptShard ... empty file (0 bytes)'."""
+    cache = RemoteShardCache("gatedmem://gs-gated", lock_timeout=10)
+    other = RemoteShardCache("gatedmem://gs-gated", lock_timeout=10)
+    done = {}
+    upload = threading.Thread(target=lambda: done.update(r=cache.get_or_create("k", maker(cache, "k"))),
+                              name="gluon_stream-test-upload")
+    upload.start()
+    try:
+        assert gated_memory.opened.wait(JOIN_S)
+        assert other.lookup("k") is None  # mid-upload: not there yet
+    finally:
+        gated_memory.gate.set()
+        upload.join(JOIN_S)
+    assert done["r"] == ("/gs-gated/k.npy", False)
+    with other.reading(other.lookup("k")) as local:
+        np.testing.assert_array_equal(gs.load_shard(local)[0], np.zeros(3))
+    assert [p.rsplit("/", 1)[1] for p in cache.fs.ls("/gs-gated", detail=False)] == ["k.npy"]
 
 
 # -- what made a cached shard: recipes ------------------------------------------------------------
@@ -522,11 +675,11 @@ def test_a_cache_whose_shards_cannot_be_touched_still_serves_them(tmp_path, monk
 
 
 def test_a_cache_remounted_read_only_while_running_says_so(tmp_path, monkeypatch):
-    def read_only(self, lock, name):
-        raise OSError(errno.EROFS, "Read-only file system", lock.lock_file)
+    def read_only(self, name, timed_out):
+        raise OSError(errno.EROFS, "Read-only file system", self.lock_path(name))
 
     with source(tmp_path, "ok") as src:
-        monkeypatch.setattr(cache_local.ShardCache, "_acquire", read_only)
+        monkeypatch.setattr(cache_local.LocalShardCache, "_locked", read_only)
         with pytest.raises(gs.ShardError, match=r"'k1' is not in the read-only cache_dir .* "
                                                 r"cannot be generated there"):
             src.produce("k1", 0)

@@ -205,6 +205,10 @@ def test_old_checkpoints_take_their_loader_state_along(tmp_path):
         "model-epoch1batch8", "model-epoch1batch9"]
     check_files(tmp_path)
 
+    none = tmp_path / "none"  # max_checkpoints=0: each save is removed at once
+    fit(none, batches=3, epoch_period=None, batch_period=1, max_checkpoints=0)
+    assert checkpoint_files(none) == {}
+
 
 def test_a_missing_or_foreign_loader_state_is_refused_naming_the_file(tmp_path):
     fit(tmp_path, epochs=1)

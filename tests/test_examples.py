@@ -141,26 +141,3 @@ def test_gluoncv_example_without_gluoncv_has_help_and_names_the_extra(tmp_path):
     refused = run_blocked("--tiny")
     assert refused.returncode == 1
     assert refused.stderr.strip().endswith("pip install 'gluon_stream[examples]'"), refused.stderr
-
-
-def readme_snippets() -> list[str]:
-    """The python blocks the README marks ``<!-- runnable -->``."""
-    lines = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().splitlines()
-    snippets = []
-    for i, line in enumerate(lines):
-        if line.strip() == "<!-- runnable -->":
-            assert lines[i + 1].strip() == "```python", f"README line {i + 2}"
-            end = lines.index("```", i + 2)
-            snippets.append("\n".join(lines[i + 2:end]))
-    return snippets
-
-
-def test_readme_snippets_run(tmp_path):
-    snippets = readme_snippets()
-    assert len(snippets) >= 2
-    script = "\n".join(f"exec(compile({s!r}, 'README snippet {i}', 'exec'), {{}})"
-                       for i, s in enumerate(snippets))
-    out = run([sys.executable, "-c", script], tmp_path)
-    assert "DataDesc[data,(100, 16)" in out and "stall %" in out
-    assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
-    assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]

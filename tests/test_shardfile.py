@@ -474,3 +474,44 @@ def test_a_short_write_without_errno_is_disk_full(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
     assert shardfile.is_disk_full("OSError: 8192 requested and 4096 written")
     assert not shardfile.is_disk_full(OSError("transient"))
+
+
+# -- samples as Gluon's list datasets hold them ----------------------------------------------------
+
+def test_a_list_of_samples_becomes_columns(recwarn):
+    data, label = shardfile.normalize_arrays([([1, 2], 0), ([3, 4], 1)], what="shard 1")
+    assert data.tolist() == [[1, 2], [3, 4]] and label.tolist() == [0, 1]
+    x, y = shardfile.normalize_arrays(((np.ones(3), 0.5), (np.zeros(3), 1.5)), what="shard 1")
+    assert x.shape == (2, 3) and y.tolist() == [0.5, 1.5]
+    x, y = shardfile.normalize_arrays([(FakeNDArray(np.ones(2)), 0)] * 3, what="shard 1")
+    assert x.shape == (3, 2) and y.tolist() == [0, 0, 0]
+    pairs = shardfile.normalize_arrays([(1, 0), (2, 1), (3, 0)], what="shard 1")
+    assert [c.tolist() for c in pairs] == [[1, 2, 3], [0, 1, 0]]  # as rows, they were refused
+    columns = shardfile.normalize_arrays(((1, 2), (3, 4)), what="shard 1")
+    assert [c.tolist() for c in columns] == [[1, 2], [3, 4]]  # a tuple is columns, as before
+    assert [str(w.message) for w in recwarn] == []  # no ragged-array warning from numpy
+
+
+def test_samples_that_also_read_as_columns_or_differ_in_shape_are_refused():
+    with pytest.raises(gs.SchemaMismatch, match=r"shard 1: a list of 2 tuples of 3 values is "
+                                                r"ambiguous: 2 samples of 3 fields, or 2 columns "
+                                                r"of 3 samples\? Return columns: a tuple"):
+        shardfile.normalize_arrays([(1.0, 2.0, 3.0), (0, 1, 0)], what="shard 1")
+    with pytest.raises(gs.SchemaMismatch, match=r"field 0 of the 2 samples differs in shape "
+                                                r"\(\[\(1,\), \(2,\)\]\).*Return columns"):
+        shardfile.normalize_arrays([([1], 0), ([2, 3], 1)], what="shard 1")
+    with pytest.raises(gs.UnsafeShard, match=r"field 1 of the samples has dtype object"):
+        shardfile.normalize_arrays([([1], {}), ([2], {})], what="shard 1")
+
+
+@pytest.mark.mxnet
+def test_gluons_list_dataset_as_a_function_source():
+    """MXNet's test_list_dataset, ported: fn returns the list of samples Gluon's DataLoader takes."""
+    import mxnet as mx
+
+    samples = [([1, 2], 0), ([3, 4], 1)]
+    gluon = [[a.asnumpy().tolist() for a in batch]
+             for batch in mx.gluon.data.DataLoader(samples, batch_size=1)]
+    with gs.StreamLoader(gs.FunctionSource([0], lambda key: samples), batch_size=1) as loader:
+        ours = [[a.asnumpy().tolist() for a in batch] for batch in loader]
+    assert ours == gluon == [[[[1, 2]], [0]], [[[3, 4]], [1]]]

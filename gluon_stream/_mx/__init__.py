@@ -14,7 +14,8 @@ import threading
 import warnings
 from typing import Any
 
-__all__ = ["INSTALL_HINT", "data_iter_base", "mxnet_available", "require_mxnet"]
+__all__ = ["INSTALL_HINT", "data_iter_base", "mxnet_available", "require_mxnet",
+           "restore_numpy_aliases"]
 
 INSTALL_HINT = ("gluon_stream needs MXNet 1.9.1 with numpy<1.24 (Python 3.12: numpy 1.26 and "
                 "setuptools): pip install 'gluon_stream[cpu]' (or 'gluon_stream[cu112]' for "
@@ -26,26 +27,35 @@ _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
 
-def _load() -> Any:
-    """Import MXNet once; remember the module or the error.
+def restore_numpy_aliases() -> None:
+    """Set each of numpy's aliases that MXNet 1.9.1 uses and numpy 1.24 removed.
 
     MXNet 1.9.1 still uses ``np.bool``, ``np.int``, ``np.float``, ``np.complex``,
-    ``np.object`` and ``np.str``, aliases numpy 1.24 removed; on Python 3.12 only numpy 1.26
-    has wheels. So before ``import mxnet`` each alias that is missing is set to the builtin it
-    stood for (numpy <= 1.23 keeps its own, deprecated ones). This changes numpy's namespace
-    for the whole process, as the pre-1.24 aliases did: code that tests ``hasattr(np, "bool")``
-    sees them.
+    ``np.object`` and ``np.str``; on Python 3.12 only numpy 1.26 has wheels. So before
+    ``import mxnet`` each alias that is missing is set to the builtin it stood for (numpy <= 1.23
+    keeps its own, deprecated ones). This changes numpy's namespace for the whole process, as
+    the pre-1.24 aliases did: code that tests ``hasattr(np, "bool")`` sees them.
+
+    Called by :func:`_load` and, at a script's own first ``import mxnet``, by the import hook
+    that gluon_stream installs into site-packages (``_gluon_stream_mxnet_hook``). Idempotent and
+    lock-free, since the hook runs inside the ``import mxnet`` that :func:`_load` makes under
+    its lock.
     """
+    import numpy
+
+    with warnings.catch_warnings():  # numpy warns when asked for the aliases
+        warnings.simplefilter("ignore", (DeprecationWarning, FutureWarning))
+        for name, builtin in _NUMPY_ALIASES.items():
+            if not hasattr(numpy, name):
+                setattr(numpy, name, builtin)
+
+
+def _load() -> Any:
+    """Import MXNet once, numpy's aliases restored first; remember the module or the error."""
     with _lock:
         if "mx" not in _state:
             try:
-                import numpy
-
-                with warnings.catch_warnings():  # numpy warns when asked for the aliases
-                    warnings.simplefilter("ignore", (DeprecationWarning, FutureWarning))
-                    for name, builtin in _NUMPY_ALIASES.items():
-                        if not hasattr(numpy, name):
-                            setattr(numpy, name, builtin)
+                restore_numpy_aliases()
                 import mxnet
                 import mxnet.gluon.data.dataloader  # noqa: F401  (registers NDArray pickling)
             except (ImportError, AttributeError, OSError) as exc:  # AttributeError: numpy>=1.24

@@ -14,11 +14,16 @@
 
 A single-array shard gives samples that are the row itself, several arrays a tuple, and the
 transform is applied as ``Dataset.transform`` does: ``fn(*sample)`` for a tuple.
+
+A batch made with a ``seed`` is made with the global RNGs seeded from it
+(:func:`seeded_globals`; why, in :mod:`.workers`).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable, Literal, Mapping, Sequence
+import random
+from typing import Any, Callable, Iterator, Literal, Mapping, Sequence
 
 import numpy as np
 
@@ -26,7 +31,7 @@ from .. import _validate
 from ..errors import add_note
 from . import require_mxnet
 
-__all__ = ["SAMPLE_FORMATS", "BatchMaker", "Refs", "SampleFormat"]
+__all__ = ["SAMPLE_FORMATS", "BatchMaker", "Refs", "SampleFormat", "seeded_globals"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,21 +49,24 @@ class BatchMaker:
     Args:
         sample_transform: ``fn(*sample) -> sample``, or None.
         batchify_fn: Joins the samples of a batch; None: Gluon's default (its shared-memory
-            variant when ``shared_memory``, for batches that go back from a worker process).
+            variant when ``in_worker``, for batches that go back through shared memory).
         sample_format: ``'auto'``, ``'numpy'`` or ``'ndarray'`` (see the module doc).
-        shared_memory: Batches are made in a worker process.
+        in_worker: Batches are made in a worker process: Gluon's shared-memory batchify is the
+            default, and a batch's seed seeds MXNet's RNG too. Otherwise (the training
+            process) numpy's and ``random``'s states are restored after each seeded batch.
     """
 
     def __init__(self, sample_transform: Callable[..., Any] | None,
                  batchify_fn: Callable[[list], Any] | None, sample_format: str,
-                 shared_memory: bool = False) -> None:
+                 in_worker: bool = False) -> None:
         _validate.choice("sample_format", sample_format, SAMPLE_FORMATS)
         self.sample_transform = sample_transform
         dataloader = require_mxnet().gluon.data.dataloader
-        default = (dataloader.default_mp_batchify_fn if shared_memory
+        default = (dataloader.default_mp_batchify_fn if in_worker
                    else dataloader.default_batchify_fn)
         self.batchify_fn = batchify_fn or default
         self.sample_format = sample_format
+        self.in_worker = in_worker
         self._format = "numpy" if sample_format == "auto" else sample_format
 
     @property
@@ -66,16 +74,18 @@ class BatchMaker:
         """The row format in use now (``'auto'`` starts as numpy)."""
         return self._format
 
-    def __call__(self, sources: Mapping[int, Sequence[np.ndarray]], refs: Refs) -> Any:
+    def __call__(self, sources: Mapping[int, Sequence[np.ndarray]], refs: Refs,
+                 seed: int | None = None) -> Any:
+        """The batch of ``refs``; with a ``seed``, made with the global RNGs seeded from it."""
         if self.sample_format != "auto" or self._format == "ndarray":
-            return self._make(sources, refs, self._format)
+            return self._make(sources, refs, self._format, seed)
         try:
-            return self._make(sources, refs, "numpy")
+            return self._make(sources, refs, "numpy", seed)
         except (AttributeError, TypeError, ValueError) as exc:
             if not _raised_inside(exc, _REJECTING_PACKAGES):
                 raise
-            try:
-                batch = self._make(sources, refs, "ndarray")
+            try:  # seeded afresh: the remade batch draws the numbers the first attempt drew
+                batch = self._make(sources, refs, "ndarray", seed)
             except Exception as again:
                 add_note(exc, f"gluon_stream: sample_format='auto' gave numpy rows, which MXNet "
                               f"code rejected; NDArray rows failed too ({type(again).__name__}: "
@@ -87,13 +97,43 @@ class BatchMaker:
                         "'ndarray' to start so)", type(exc).__name__, exc)
             return batch
 
-    def _make(self, sources: Mapping[int, Sequence[np.ndarray]], refs: Refs, fmt: str) -> Any:
+    def _make(self, sources: Mapping[int, Sequence[np.ndarray]], refs: Refs, fmt: str,
+              seed: int | None) -> Any:
         nd = require_mxnet().nd if fmt == "ndarray" else None
-        samples = [_sample(sources[sid], i, nd) for sid, rows in refs for i in rows]
-        fn = self.sample_transform
-        if fn is not None:
-            samples = [fn(*s) if isinstance(s, tuple) else fn(s) for s in samples]
-        return self.batchify_fn(samples)
+        with seeded_globals(seed, in_worker=self.in_worker):
+            samples = [_sample(sources[sid], i, nd) for sid, rows in refs for i in rows]
+            fn = self.sample_transform
+            if fn is not None:
+                samples = [fn(*s) if isinstance(s, tuple) else fn(s) for s in samples]
+            return self.batchify_fn(samples)
+
+
+@contextlib.contextmanager
+def seeded_globals(seed: int | None, in_worker: bool) -> Iterator[None]:
+    """Seed numpy's global RNG and ``random`` from ``seed`` for the block (nothing if None).
+
+    In a worker process (``in_worker``) MXNet's CPU RNG is seeded too, and nothing is put
+    back: the worker's RNGs are its batches' alone. In the training process numpy's and
+    ``random``'s states are saved and restored around the block, so the loop's own draws do
+    not depend on the loader; MXNet's RNG is not touched there, since MXNet cannot save and
+    restore its state (the loop's ``mx.random`` draws would change). Only the CPU RNG is
+    seeded: seeding a GPU's in a forked worker would use CUDA after fork.
+    """
+    if seed is None:
+        yield
+        return
+    saved = None if in_worker else (np.random.get_state(), random.getstate())
+    np.random.seed(seed & 0xFFFFFFFF)
+    random.seed(seed)
+    if in_worker:
+        mx = require_mxnet()
+        mx.random.seed(seed & 0x7FFFFFFF, ctx=mx.cpu())
+    try:
+        yield
+    finally:
+        if saved is not None:
+            np.random.set_state(saved[0])
+            random.setstate(saved[1])
 
 
 def _sample(arrays: Sequence[np.ndarray], i: int, nd: Any) -> Any:

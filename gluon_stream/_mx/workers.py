@@ -10,20 +10,40 @@ Three ways to run a :class:`~gluon_stream._mx.samples.BatchMaker`, one interface
   GPU contexts), and kept across shards and epochs. A shard reaches them as shared memory
   (its file descriptor over a Unix socket, see :mod:`.shm`); a batch comes back as MXNet
   ``cpu_shared`` NDArrays wrapped without a copy. A dead worker is noticed at once (its process
-  sentinel wakes the wait); its batches are redone by a replacement when retries are allowed,
-  so every batch is still delivered exactly once. Workers ignore SIGINT (Ctrl-C is the loop's)
-  and die with the loader's process.
+  sentinel wakes a wait; a message it cannot be sent is a death too) and replaced; its batches
+  are redone by the replacement within ``retries`` deaths per shard per epoch, so every batch
+  is still delivered exactly once, and past that the next :meth:`~ProcessWorkers.result`
+  raises :class:`~gluon_stream.WorkerDied`. Workers ignore SIGINT (Ctrl-C is the loop's) and
+  exit when the loader's process dies, whichever of its threads built them (see
+  :class:`_ParentPipe`).
+
+Random augmentation (the ``seed`` of :meth:`submit`, apache/mxnet#9335): worker processes
+forked from one process inherit one numpy, one ``random`` and one MXNet RNG state, so without
+care they repeat each other's draws. A batch is made with the global RNGs seeded from its seed
+(:func:`~gluon_stream._mx.samples.seeded_globals`), so draws differ between batches and epochs,
+and a batch draws the same numbers on any number of worker processes, after a worker's death
+and after a resume. Per kind of worker:
+
+* processes: numpy's, ``random``'s and MXNet's CPU RNG are seeded. Seeding MXNet's costs about
+  1.7 ms of a worker's CPU per batch (MXNet reseeds every one of its parallel generators).
+* ``num_workers=0``: numpy's and ``random``'s, which draw what the processes draw, and are put
+  back after each batch, so the loop's own draws are as if the loader were not there. MXNet's
+  RNG is not seeded (its state cannot be saved and restored). Another thread drawing from the
+  global RNGs meanwhile (a ``FunctionSource`` function in a producer thread) shares the
+  batch's seeded state: such code should draw from its own ``np.random.default_rng``.
+* threads: **not seeded**. The global RNGs are shared by every thread, so a seed set for one
+  batch would be consumed by whichever batches run at the same time; augmentation draws from
+  the process's RNGs as they stand: random, never repeated, but not reproducible.
 
 The interface: :meth:`attach` a source (a shard, or samples carried over) under an id,
 :meth:`submit` batches as ``[(source id, rows), ...]``, take each :meth:`result` (in any order
-the caller likes), :meth:`detach` sources no longer needed, :meth:`cancel_all` when a pass is
-cut short, :meth:`close` at the end.
+the caller likes), :meth:`detach` sources no longer needed, :meth:`new_epoch` when an epoch's
+batches begin, :meth:`cancel_all` when a pass is cut short, :meth:`close` at the end.
 """
 from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
-import ctypes
 import logging
 import multiprocessing
 import multiprocessing.connection as mp_connection
@@ -31,11 +51,11 @@ import os
 import pickle
 import signal
 import socket
-import sys
 import threading
 import time
 import traceback
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -62,7 +82,7 @@ def make_workers(num_workers: int, thread_pool: bool, maker_args: dict, retries:
         return InlineWorkers(BatchMaker(**maker_args))
     if thread_pool:
         return ThreadWorkers(num_workers, BatchMaker(**maker_args))
-    return ProcessWorkers(num_workers, BatchMaker(**maker_args, shared_memory=True),
+    return ProcessWorkers(num_workers, BatchMaker(**maker_args, in_worker=True),
                           retries=retries)
 
 
@@ -71,7 +91,8 @@ def _what(desc: str) -> str:
 
 
 class InlineWorkers:
-    """Makes each batch in the calling thread, when its result is asked for."""
+    """Makes each batch in the calling thread, when its result is asked for (seeded: numpy's
+    and ``random``'s states are restored after it, MXNet's RNG is not touched)."""
 
     depth = 1
     uses_shared_memory = False
@@ -79,7 +100,7 @@ class InlineWorkers:
     def __init__(self, maker: BatchMaker) -> None:
         self.maker = maker
         self._sources: dict[int, Sequence[np.ndarray]] = {}
-        self._tasks: dict[int, Refs] = {}
+        self._tasks: dict[int, tuple[Refs, int | None]] = {}
 
     def attach(self, sid: int, arrays: Sequence[np.ndarray]) -> None:
         self._sources[sid] = arrays
@@ -89,17 +110,18 @@ class InlineWorkers:
 
     def submit(self, tid: int, refs: Refs, what: str = "", key: Any = None,
                seed: int | None = None) -> None:
-        self._tasks[tid] = refs
+        self._tasks[tid] = (refs, seed)
 
     def result(self, tid: int, timeout: float, what: str = "") -> Any:
-        return self.maker(self._sources, self._tasks.pop(tid))
+        refs, seed = self._tasks.pop(tid)
+        return self.maker(self._sources, refs, seed)
 
     def done(self, tid: int) -> bool:
         """Whether :meth:`result` would return without making or waiting for the batch."""
         return False
 
     def new_epoch(self) -> None:
-        """An epoch's batches begin: per-epoch budgets (worker retries) start afresh."""
+        """An epoch's batches begin (nothing is counted per epoch here)."""
 
     def cancel_all(self) -> None:
         self._tasks.clear()
@@ -110,7 +132,8 @@ class InlineWorkers:
 
 
 class ThreadWorkers(InlineWorkers):
-    """Makes batches in a pool of ``num_workers`` threads."""
+    """Makes batches in a pool of ``num_workers`` threads; ``seed`` is ignored (threads share
+    the global RNGs, see the module doc)."""
 
     def __init__(self, num_workers: int, maker: BatchMaker) -> None:
         super().__init__(maker)
@@ -166,20 +189,89 @@ class ThreadWorkers(InlineWorkers):
                            "after close(); it ends when that call returns", thread.name)
 
 
-@dataclass
-class _Worker:
-    process: Any
-    conn: mp_connection.Connection
-    pid: int
-    busy: set = field(default_factory=set)
+# -- dying with the loader's process ----------------------------------------------------------
+_PARENT_ENDS: set[int] = set()  # write ends of the pipes workers watch: this process's only
 
 
+class _ParentPipe:
+    """A pipe whose write end only the loader's process holds: its workers exit on EOF.
+
+    Why a pipe, not ``PR_SET_PDEATHSIG``: Linux sends that signal when the *thread* that forked
+    exits, so the workers of a loader built in a helper thread (a data thread, a notebook
+    kernel's thread) died with that thread. A pipe's write end closes when the last process
+    holding it is gone; this process is made the only one: every child forked here closes it
+    at once (an at-fork hook: the pool's other workers, and a user's own ``multiprocessing``
+    children, which would otherwise keep orphaned workers alive), and ``exec`` closes it
+    (``os.pipe`` fds are close-on-exec). multiprocessing's own parent sentinel has no such
+    hook: later forks, the pool's next workers included, inherit its write end. Forking from
+    one long-lived thread would keep PDEATHSIG but costs a thread per loader and a hand-off
+    per fork, and stays Linux-only; this works on any POSIX system.
+    """
+
+    def __init__(self) -> None:
+        self.read_fd, write_fd = os.pipe()
+        _PARENT_ENDS.add(write_fd)
+        self.close = weakref.finalize(self, _close_pipe, os.getpid(), self.read_fd, write_fd)
+
+
+def _close_pipe(owner: int, read_fd: int, write_fd: int) -> None:
+    if os.getpid() != owner:  # a fork's copy: the at-fork hook closed its write end already
+        return
+    _PARENT_ENDS.discard(write_fd)
+    for fd in (read_fd, write_fd):
+        _close_fd(fd)
+
+
+def _close_parent_ends() -> None:
+    """In a child forked from this process: hold no write end (see :class:`_ParentPipe`)."""
+    for fd in list(_PARENT_ENDS):
+        _close_fd(fd)
+    _PARENT_ENDS.clear()
+
+
+def _close_fd(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError as exc:  # not open in this process
+        logger.debug("fd %d already closed: %s", fd, exc)
+
+
+os.register_at_fork(after_in_child=_close_parent_ends)
+
+
+def _exit_with_parent(read_fd: int) -> None:
+    """In a worker: a daemon thread that ends the process when the pipe reads EOF (the
+    loader's process is gone), even while the main thread runs per-sample code."""
+    def watch() -> None:
+        try:
+            while os.read(read_fd, 1):  # nothing is ever written: only EOF returns
+                continue
+        except OSError as exc:  # the fd was closed under it (by per-sample code?)
+            logger.warning("worker %d cannot watch the loader's process (%s): it will not exit "
+                           "by itself if that process dies", os.getpid(), exc)
+            return
+        os._exit(0)
+
+    threading.Thread(target=watch, name="gluon_stream-parent-watch", daemon=True).start()
+
+
+# -- worker processes ------------------------------------------------------------------------------
 @dataclass
 class _Task:
     refs: Refs
     what: str
     key: Any
+    seed: int | None
     worker: "_Worker | None" = None
+
+
+@dataclass
+class _Worker:
+    process: Any
+    conn: mp_connection.Connection
+    pid: int
+    busy: set[int] = field(default_factory=set)
+    last: _Task | None = None  # the last batch it was given (named if it dies holding none)
 
 
 @dataclass
@@ -195,8 +287,9 @@ class ProcessWorkers:
     Args:
         num_workers: Processes to fork now.
         maker: What each worker runs per batch (inherited at fork, never pickled).
-        retries: Replacement workers per shard when a worker dies (``on_error=('retry', n)``);
-            0 raises :class:`~gluon_stream.WorkerDied` instead.
+        retries: Worker deaths allowed per shard per epoch (``on_error=('retry', n)``), each
+            redoing the batches the dead worker held; 0: a death raises
+            :class:`~gluon_stream.WorkerDied` from the next :meth:`result`.
     """
 
     uses_shared_memory = True
@@ -213,37 +306,59 @@ class ProcessWorkers:
         self._tasks: dict[int, _Task] = {}
         self._queue: collections.deque[int] = collections.deque()
         self._results: dict[int, Any] = {}
-        self._deaths: collections.Counter = collections.Counter()
+        self._deaths: collections.Counter = collections.Counter()  # per shard key, this epoch
+        self._failure: WorkerDied | None = None  # a death past its budget: the next result()
         self._closed = threading.Event()
         self._lock = threading.Lock()  # close() may come from another thread
-        for _ in range(num_workers):
-            self._spawn()
+        self._parent = _ParentPipe()
+        try:
+            for _ in range(num_workers):
+                self._spawn()
+        except BaseException:
+            self.close()
+            raise
 
     # -- workers ---------------------------------------------------------------------------
     def _spawn(self) -> None:
+        """Fork one worker and attach every source to it."""
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         inherited = [w.conn.fileno() for w in self._workers] + [parent_sock.fileno()] + \
             [s.fd for s in self._sources.values()]
         process = self._context.Process(target=_worker_main, daemon=True,
                                         name=f"gluon_stream-worker-{self.forks}",
-                                        args=(child_sock, self.maker, inherited, os.getpid()))
-        with warnings.catch_warnings():  # MXNet's engine threads are made fork-safe by MXNet
-            warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
-            process.start()
-        child_sock.close()
+                                        args=(child_sock, self.maker, inherited,
+                                              self._parent.read_fd))
+        try:
+            with warnings.catch_warnings():  # MXNet's engine threads are made fork-safe by MXNet
+                warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
+                process.start()
+        except BaseException:
+            parent_sock.close()
+            raise
+        finally:
+            child_sock.close()
+        assert process.pid is not None  # started
         worker = _Worker(process, mp_connection.Connection(parent_sock.detach()), process.pid)
         self.forks += 1
         self._workers.append(worker)
         for sid, shared in self._sources.items():
-            self._send_attach(worker, sid, shared)
+            if not self._send(worker, ("attach", sid, shared.layout), [shared.fd]):
+                return
 
-    def _send_attach(self, worker: _Worker, sid: int, shared: SharedArrays) -> None:
-        worker.conn.send(("attach", sid, shared.layout))
-        send_fds(worker.conn, [shared.fd])
+    def _send(self, worker: _Worker, message: tuple, fds: Sequence[int] = ()) -> bool:
+        """Send to a worker; one that cannot be reached is dead (handled here: False)."""
+        try:
+            worker.conn.send(message)
+            send_fds(worker.conn, fds)
+        except OSError as exc:  # BrokenPipeError, ConnectionResetError: its end is closed
+            logger.debug("worker %d cannot be sent %r: %s", worker.pid, message[0], exc)
+            self._died(worker)
+            return False
+        return True
 
     @property
     def pids(self) -> list[int]:
-        """Process ids of the workers alive now."""
+        """Process ids of the workers in the pool now."""
         return [w.pid for w in self._workers]
 
     # -- the interface ---------------------------------------------------------------------
@@ -251,47 +366,51 @@ class ProcessWorkers:
         shared = arrays if isinstance(arrays, SharedArrays) else SharedArrays.copy_of(arrays)
         self._sources[sid] = shared
         for worker in list(self._workers):
-            self._send_attach(worker, sid, shared)
+            self._send(worker, ("attach", sid, shared.layout), [shared.fd])
 
     def detach(self, sid: int) -> None:
         if self._sources.pop(sid, None) is None:
             return
         for worker in list(self._workers):
-            worker.conn.send(("detach", sid))
+            self._send(worker, ("detach", sid))
 
     def submit(self, tid: int, refs: Refs, what: str = "", key: Any = None,
                seed: int | None = None) -> None:
-        self._tasks[tid] = _Task(refs, what, key)
+        self._tasks[tid] = _Task(refs, what, key, seed)
         self._queue.append(tid)
         self._dispatch()
 
     def result(self, tid: int, timeout: float, what: str = "") -> Any:
+        """The batch ``tid`` (raising what it raised), waiting at most ``timeout`` seconds.
+
+        Raises:
+            WorkerDied: a worker died past the retry budget since the last call (whichever
+                batch it held).
+            BatchTimeout: the batch took too long (its worker is killed and replaced).
+            LoaderClosed: :meth:`close` was called meanwhile.
+        """
         deadline = time.monotonic() + timeout
-        while tid not in self._results:
+        wait = 0.0  # first take in what arrived and notice deaths, without waiting
+        while True:
             if self._closed.is_set():
                 raise LoaderClosed(f"the loader was closed while waiting for {_what(what)}")
-            self._dispatch()
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self._stuck(tid, timeout, what)
-            objects = [w.conn for w in self._workers] + [w.process.sentinel
-                                                         for w in self._workers]
             try:
-                ready = mp_connection.wait(objects, timeout=min(WAIT_SLICE_S, remaining))
+                self._poll(wait)
             except (OSError, ValueError):
                 if self._closed.is_set():
                     raise LoaderClosed(f"the loader was closed while waiting for "
                                        f"{_what(what)}") from None
                 raise
-            for obj in ready:
-                worker = next((w for w in self._workers
-                               if obj is w.conn or obj == w.process.sentinel), None)
-                if worker is None:
-                    continue
-                if obj is worker.conn:
-                    self._receive(worker)
-                else:
-                    self._died(worker)
+            if self._failure is not None:
+                error, self._failure = self._failure, None
+                raise error
+            if tid in self._results:
+                break
+            self._dispatch()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._stuck(tid, timeout, what)
+            wait = min(WAIT_SLICE_S, remaining)
         self._tasks.pop(tid, None)
         result = self._results.pop(tid)
         if isinstance(result, _Failure):
@@ -299,16 +418,21 @@ class ProcessWorkers:
         return result
 
     def done(self, tid: int) -> bool:
-        """Whether the batch is back (takes in what arrived, without waiting)."""
+        """Whether :meth:`result` would return (or raise) at once (takes in what arrived)."""
         if tid not in self._results and not self._closed.is_set():
-            for worker in mp_connection.wait([w.conn for w in self._workers], timeout=0):
-                owner = next((w for w in self._workers if w.conn is worker), None)
-                if owner is not None:
-                    self._receive(owner)
-        return tid in self._results
+            self._poll(0)
+        return tid in self._results or self._failure is not None
 
     def new_epoch(self) -> None:
-        """An epoch's batches begin: per-epoch budgets (worker retries) start afresh."""
+        """An epoch's batches begin: each shard may again lose ``retries`` workers."""
+        self._deaths.clear()
+
+    def in_flight(self) -> int:
+        """Batches the workers hold now: sent, not back yet (takes in what arrived, does not
+        wait)."""
+        if not self._closed.is_set():
+            self._poll(0)
+        return sum(len(w.busy) for w in self._workers)
 
     def cancel_all(self) -> None:
         """Forget every batch not yet taken; results still in flight are dropped on arrival."""
@@ -320,10 +444,14 @@ class ProcessWorkers:
 
     # -- internals -------------------------------------------------------------------------
     def _dispatch(self) -> None:
-        if len(self._workers) < self.num_workers and not self._closed.is_set():
-            for _ in range(self.num_workers - len(self._workers)):
-                self._spawn()  # after a death or a stuck batch: the pool is whole again
-        while self._queue:
+        """Fork replacements for dead workers (the pool is whole again), then send queued
+        batches to the least busy workers, PER_WORKER at most each."""
+        while not self._closed.is_set() and self._failure is None:
+            if len(self._workers) < self.num_workers:
+                self._spawn()
+                continue
+            if not self._queue:
+                return
             worker = min(self._workers, key=lambda w: len(w.busy))
             if len(worker.busy) >= PER_WORKER:
                 return
@@ -331,56 +459,90 @@ class ProcessWorkers:
             task = self._tasks.get(tid)
             if task is None:
                 continue
-            task.worker = worker
-            worker.busy.add(tid)
-            worker.conn.send(("task", tid, list(task.refs)))
+            if self._send(worker, ("task", tid, list(task.refs), task.seed)):
+                task.worker, worker.last = worker, task
+                worker.busy.add(tid)
+            else:  # it was dead already: the batch goes to another (or a new) worker
+                self._queue.appendleft(tid)
 
-    def _receive(self, worker: _Worker) -> None:
+    def _poll(self, timeout: float) -> None:
+        """Take in the batches that came back and handle the workers that died, waiting up
+        to ``timeout`` seconds for either."""
+        watched = [(w, w.conn, w.process.sentinel) for w in self._workers]
+        ready = mp_connection.wait([c for _, c, _ in watched] + [s for _, _, s in watched],
+                                   timeout=timeout)
+        for worker, conn, _ in watched:
+            if conn in ready and worker in self._workers and not self._receive(worker):
+                self._died(worker)
+        for worker, _, sentinel in watched:
+            if sentinel in ready and worker in self._workers:
+                self._died(worker)
+
+    def _receive(self, worker: _Worker) -> bool:
+        """Take in one message from a worker; False if there is none whole (it is gone)."""
         try:
             message = worker.conn.recv()
-        except (EOFError, OSError):
-            self._died(worker)
-            return
-        kind, tid = message[0], message[1]
+            kind, tid = message[0], message[1]
+            batch = load_batch(message[2], recv_fds(worker.conn, message[3])) \
+                if kind == "done" else None
+        except (EOFError, OSError) as exc:  # closed, or died mid-message: the batch is lost
+            logger.debug("worker %d: nothing more to receive (%s)", worker.pid, exc)
+            return False
         worker.busy.discard(tid)
-        if kind == "done":
-            fds = recv_fds(worker.conn, message[3])
-            batch = load_batch(message[2], fds)
-            if tid in self._tasks:
-                self._results[tid] = batch
-            return
-        error = _unpickle_error(message[2])
         task = self._tasks.get(tid)
-        if task is not None:
-            add_note(error, f"gluon_stream: raised in worker process {worker.pid} while making "
-                            f"{_what(task.what)}")
-            self._results[tid] = _Failure(error)
+        if task is None:  # cancelled meanwhile
+            return True
+        if kind == "done":
+            self._results[tid] = batch
+            return True
+        error = _unpickle_error(message[2])
+        add_note(error, f"gluon_stream: raised in worker process {worker.pid} while making "
+                        f"{_what(task.what)}")
+        self._results[tid] = _Failure(error)
+        return True
 
     def _died(self, worker: _Worker) -> None:
-        """A worker's sentinel fired: redo its batches in a replacement, or fail them."""
+        """A worker is gone: keep the batches it sent whole, then redo the ones it held in a
+        replacement (within this epoch's budget of their shards) or fail with WorkerDied."""
         if worker not in self._workers:
             return
+        while _readable(worker.conn) and self._receive(worker):
+            continue
         code = self._retire(worker, kill=False)
-        lost = sorted(t for t in worker.busy if t in self._tasks)
-        if self._closed.is_set() or not lost:
+        if self._closed.is_set():
             return
-        key = self._tasks[lost[0]].key
-        if self._deaths[key] < self.retries:
-            self._deaths[key] += 1
-            logger.warning("%s; redoing its %d batch(es) in a new worker process (retry %d/%d)",
-                           _death(worker.pid, code, key, self._tasks[lost[0]].what),
-                           len(lost), self._deaths[key], self.retries)
+        lost = sorted(t for t in worker.busy if t in self._tasks)
+        tasks = [self._tasks[t] for t in lost] or \
+            ([worker.last] if worker.last is not None else [])
+        keys = list(dict.fromkeys(t.key for t in tasks)) or [None]
+        how = _death(worker.pid, code, tasks[0] if lost else None, worker.last)
+        if all(self._deaths[k] < self.retries for k in keys):
+            for k in keys:
+                self._deaths[k] += 1
+            logger.warning("%s; %s in a new worker process (retry %d/%d of shard %s this epoch)",
+                           how, f"redoing its {len(lost)} batch(es)" if lost else "replacing it",
+                           max(self._deaths[k] for k in keys), self.retries,
+                           ", ".join(repr(k) for k in keys))
             self._queue.extendleft(reversed(lost))
             return
         for tid in lost:
-            message = _death(worker.pid, code, self._tasks[tid].key, self._tasks[tid].what)
-            self._results[tid] = _Failure(WorkerDied(
-                f"{message}; it and the batches it held are lost. Likely out of memory (check "
-                "`dmesg` for the OOM killer) or a crash in sample_transform/batchify_fn: lower "
-                "num_workers, use thread_pool=True, or pass on_error=('retry', n) to redo the "
-                "lost batches in a new worker", pid=worker.pid,
-                signal=-code if code is not None and code < 0 else None,
-                key=self._tasks[tid].key))
+            self._results[tid] = _Failure(self._worker_died(worker.pid, code, how, keys[0]))
+        self._failure = self._worker_died(worker.pid, code, how, keys[0])
+
+    def _worker_died(self, pid: int, code: int | None, how: str, key: Any) -> WorkerDied:
+        if self.retries:
+            why = (f"on_error=('retry', {self.retries}) allows {self.retries} worker "
+                   "death(s) per shard per epoch. Likely out of memory (check `dmesg` for the "
+                   "OOM killer) or a crash in sample_transform/batchify_fn: lower num_workers "
+                   "or use thread_pool=True")
+        else:
+            why = ("Likely out of memory (check `dmesg` for the OOM killer) or a crash in "
+                   "sample_transform/batchify_fn: lower num_workers, use thread_pool=True, or "
+                   "pass on_error=('retry', n) to redo the lost batches in a new worker")
+        return WorkerDied(f"{how}; this pass cannot go on (the next one starts with a new "
+                          f"worker). {why}",
+                          pid=pid, signal=-code if code is not None and code < 0 else None,
+                          key=key)
 
     def _stuck(self, tid: int, timeout: float, what: str) -> None:
         """A batch ran past ``timeout``: kill its worker (stuck in user code) and raise."""
@@ -393,10 +555,17 @@ class ProcessWorkers:
             "timeout=")
 
     def _retire(self, worker: _Worker, kill: bool) -> int | None:
-        """Take a dead (or, with ``kill``, a stuck) worker out of the pool; its exit code."""
+        """Take a dead (or, with ``kill``, a stuck) worker out of the pool; its exit code.
+        One still running a second later (its socket failed while it lived) is killed. It
+        leaves the pool only once reaped: interrupted before, close() still ends it."""
         if kill:
             worker.process.kill()
         worker.process.join(EXIT_S)
+        if worker.process.exitcode is None:
+            logger.warning("worker %d could not be reached but still runs: killing it",
+                           worker.pid)
+            worker.process.kill()
+            worker.process.join(EXIT_S)
         code = worker.process.exitcode
         self._workers.remove(worker)
         worker.conn.close()
@@ -428,13 +597,24 @@ class ProcessWorkers:
                 remove_worker_shm(worker.pid)
             worker.conn.close()
             worker.process.close()
+        self._parent.close()
         self._queue.clear()
         self._tasks.clear()
         self._results.clear()
         self._sources.clear()
 
 
-def _death(pid: int, code: int | None, key: Any, what: str) -> str:
+def _readable(conn: mp_connection.Connection) -> bool:
+    """Whether a dead worker's socket still holds data (a message it sent before dying)."""
+    try:
+        return conn.poll(0)
+    except (OSError, ValueError) as exc:  # closed meanwhile (by close())
+        logger.debug("socket of a dead worker unreadable: %s", exc)
+        return False
+
+
+def _death(pid: int, code: int | None, task: _Task | None, last: _Task | None) -> str:
+    """What happened, in words: who died, how, and making what."""
     if code is not None and code < 0:
         try:
             how = f"was killed by {signal.Signals(-code).name}"
@@ -442,8 +622,19 @@ def _death(pid: int, code: int | None, key: Any, what: str) -> str:
             how = f"was killed by signal {-code}"
     else:
         how = f"exited with code {code}"
-    shard = f" of shard {key!r}" if key is not None else ""
-    return f"worker process {pid} {how} while making {_what(what)}{shard}"
+    if task is not None:
+        doing = f"while making {_described(task)}"
+    elif last is not None:
+        doing = f"between batches (its last: {_described(last)})"
+    else:
+        doing = "before its first batch"
+    return f"worker process {pid} {how} {doing}"
+
+
+def _described(task: _Task) -> str:
+    if task.what:  # names its shard already ("batch 3 of 9 of shard 'a'")
+        return task.what
+    return f"a batch of shard {task.key!r}" if task.key is not None else "a batch"
 
 
 def _pickle_error(exc: BaseException) -> bytes:
@@ -466,27 +657,13 @@ def _unpickle_error(data: bytes) -> BaseException:
 
 
 # -- the worker process ------------------------------------------------------------------------
-def _die_with_parent(parent: int) -> None:
-    """Ask Linux to SIGKILL this worker when the loader's process dies (best effort)."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError) as exc:
-            logger.debug("prctl(PR_SET_PDEATHSIG) unavailable: %s", exc)
-    if os.getppid() != parent:
-        os._exit(0)
-
-
 def _worker_main(sock: socket.socket, maker: BatchMaker, inherited: list[int],
-                 parent: int) -> None:
+                 parent_fd: int) -> None:
     """A worker's life: attach sources, make batches, send them back, until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the training loop
-    _die_with_parent(parent)
+    _exit_with_parent(parent_fd)
     for fd in inherited:  # the other workers' sockets and the loader's shard files
-        try:
-            os.close(fd)
-        except OSError as exc:
-            logger.debug("fd %d not inherited: %s", fd, exc)
+        _close_fd(fd)
     conn = mp_connection.Connection(sock.detach())
     sources: dict[int, tuple] = {}
     while True:
@@ -500,9 +677,9 @@ def _worker_main(sock: socket.socket, maker: BatchMaker, inherited: list[int],
         elif kind == "detach":
             sources.pop(message[1], None)
         elif kind == "task":
-            tid, refs = message[1], message[2]
+            tid, refs, seed = message[1], message[2], message[3]
             try:
-                payload, fds, keep = dump_batch(maker(sources, refs))
+                payload, fds, keep = dump_batch(maker(sources, refs, seed))
             except Exception as exc:
                 conn.send(("error", tid, _pickle_error(exc)))
                 continue

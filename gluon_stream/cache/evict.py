@@ -1,8 +1,10 @@
 """A bounded cache: ``cache_limit`` parsing and least-recently-used eviction that spares readers.
 
-Readers hold a shared ``flock`` on a shard file while they load it; eviction takes the
-exclusive lock without waiting, so a shard being read anywhere is skipped, never removed
-under its reader.
+A shard is *pinned* by a shared ``flock`` on its file: held by a reader while it loads it, and
+by the producer that made it from before it is published until it is read. Eviction takes the
+exclusive lock without waiting, so a pinned shard is skipped, never removed under its reader.
+Room is made before a shard is published (see ``LocalShardCache``), so the cache never holds
+more than ``cache_limit``.
 """
 from __future__ import annotations
 
@@ -64,30 +66,44 @@ class CacheLimit:
     def bounded(self) -> bool:
         return self.max_shards is not None or self.max_bytes is not None
 
+    def __str__(self) -> str:
+        parts = ([f"{self.max_shards} shards"] if self.max_shards is not None else []) + \
+                ([f"{self.max_bytes} bytes"] if self.max_bytes is not None else [])
+        return " and ".join(parts) or "unbounded"
+
     def over(self, count: int, total: int) -> bool:
         """Whether ``count`` shards of ``total`` bytes exceed the limit."""
         return ((self.max_shards is not None and count > self.max_shards)
                 or (self.max_bytes is not None and total > self.max_bytes))
 
 
-def evict_lru(shards: Iterable[tuple[float, str, int]], limit: CacheLimit, keep: str,
-              try_evict: Callable[[str], bool]) -> int:
-    """Evict the least recently used of ``shards`` ((last used, path, bytes)) until they fit.
+def evict_lru(shards: Iterable[tuple[float, str, int]], limit: CacheLimit,
+              try_evict: Callable[[str], bool], incoming: tuple[int, int] = (0, 0)) -> bool:
+    """Evict the least recently used of ``shards`` ((last used, path, bytes)) until they and
+    ``incoming`` ((shards, bytes) about to be added) fit ``limit``; True if they fit now.
 
-    ``keep`` and every shard ``try_evict`` refuses (one being read) stay. Returns how many
-    were evicted.
+    A shard ``try_evict`` refuses (pinned: being read, or just made) stays.
+
+    Example:
+        >>> gone = []
+        >>> evict_lru([(2.0, "b", 1), (1.0, "a", 1)], CacheLimit(2),
+        ...           lambda path: not gone.append(path), incoming=(1, 1))
+        True
+        >>> gone
+        ['a']
     """
     shards = sorted(shards)
-    count, total = len(shards), sum(size for _, _, size in shards)
-    evicted = 0
+    count = len(shards) + incoming[0]
+    total = sum(size for _, _, size in shards) + incoming[1]
     for _, path, size in shards:
         if not limit.over(count, total):
             break
-        if path.rstrip("/") == keep.rstrip("/") or not try_evict(path):
+        if not try_evict(path):
             continue
-        count, total, evicted = count - 1, total - size, evicted + 1
-        logger.info("cache_limit: evicted %s (%d shards, %d bytes left)", path, count, total)
-    return evicted
+        count, total = count - 1, total - size
+        logger.info("cache_limit: evicted %s (%d shards, %d bytes with the one to add)", path,
+                    count, total)
+    return not limit.over(count, total)
 
 
 def evict_if_unread(path: str) -> bool:

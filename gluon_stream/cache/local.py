@@ -1,11 +1,11 @@
 """A directory of finished shard files, filled atomically under per-key cross-process locks.
 
 Layout: ``<key>.npy``/``<key>.npz`` finished shards, ``.<key>.<pid>.<rand>.tmp.npy`` a
-generation in progress, ``.<key>.lock`` the per-key lock (removed by its holder once the shard
-is in place). A generation writes a private temp file that is validated, then renamed into
-place, so a reader never sees half a shard. Temp files (and directories a generator made at
-its temp path) and lock files left by crashed runs are removed at the next start; symlinks are
-never followed, and only regular files are read.
+generation in progress, ``.<key>.lock`` the per-key lock and ``.cache-evict.lock`` the
+eviction lock (each removed by its holder). A generation writes a private temp file that is
+validated, then renamed into place, so a reader never sees half a shard. Temp files (and
+directories a generator made at its temp path) and lock files left by crashed runs are removed
+at the next start; symlinks are never followed, and only regular files are read.
 
 What made a shard (its *recipe*: the command template and fixed arguments, a digest of
 ``env``, ``version=``; see :mod:`.recipe`) is recorded on the shard file as an extended
@@ -17,6 +17,19 @@ of the old file keep their open copy) with a WARNING naming the change, or raise
 :class:`~gluon_stream.StaleShard` with ``on_change='raise'``. A shard with no recipe (made by an
 older version, copied without extended attributes) is served as it is, with one WARNING per
 cache; a file system without extended attributes gets one WARNING and no detection.
+
+With ``cache_limit``, room is made *before* a shard is published, under the eviction lock
+that every publishing process takes: the least recently used shards that nobody has pinned
+are evicted, then the new one is renamed into place, so the directory never holds more than
+the limit, whatever the number of producers and processes. A shard is pinned (a shared
+``flock``) while it is read, and from before it is published until its producer has read it.
+If every cached shard is pinned, the publisher waits for one to be released (they are held
+for the time of a read), at most ``lock_timeout``, then raises :class:`~gluon_stream.ShardError`
+saying to raise ``cache_limit``: waiting keeps a limit close to the shards in flight working,
+and the bound turns a reader that never lets go into an error rather than a hang. Recency is
+the file's modification time, set on every read; a time in the future (a skewed clock, a
+restored backup) is reset to now when eviction first sees it, so such a shard ages like any
+other instead of counting as the most recently used forever.
 
 A read-only ``cache_dir`` serves the shards it holds (one INFO line): no cleanup, no LRU
 time updates, no eviction; a missing shard is a ``ShardError``. A ``cache_dir`` deleted while
@@ -35,36 +48,47 @@ import stat
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterator, Mapping
-
-from filelock import FileLock
-from filelock import Timeout as LockTimeout
+from typing import Any, BinaryIO, Callable, Iterator
 
 from ..errors import CorruptShard, LoaderClosed, ShardError, StaleShard, UnsafeShard
 from ..shardfile import TEMP_MARKER, discard_path, inspect_shard, open_regular, remove_if_exists
+from .base import Create, Recipe
 from .evict import CacheLimit, evict_if_unread, evict_lru
+from .lock import LOCK_SUFFIX, exclusive, remove_if_unheld
 from .recipe import describe_change, normalized, read_recipe, write_recipe
 
-__all__ = ["ON_CHANGE", "SUFFIXES", "ShardCache", "WAIT_SLICE_S"]
+__all__ = ["EVICT_LOCK", "FUTURE_SLACK_S", "LocalShardCache", "ON_CHANGE", "ROOM_POLL_S", "SUFFIXES",
+           "WAIT_SLICE_S"]
 
 logger = logging.getLogger(__name__)
 
 SUFFIXES = (".npy", ".npz")
 WAIT_SLICE_S = 0.5  # how often a blocked wait re-checks close()
+ROOM_POLL_S = 0.02  # how often a publisher waiting for room looks for a released shard
+EVICT_LOCK = "cache-evict"
+FUTURE_SLACK_S = 5.0  # a last-used time further ahead than this is a skewed clock or a backup
 ON_CHANGE = ("regenerate", "raise")
 _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
-class ShardCache:
+class LocalShardCache:
     """Finished shards in ``cache_dir``; one process generates a key at a time.
+
+    Implements :class:`~gluon_stream.cache.ShardCache`.
 
     Args:
         cache_dir: The directory (created if missing).
-        lock_timeout: Seconds to wait for another process generating the same key.
+        lock_timeout: Seconds to wait for another process generating the same key, and for a
+            pinned shard to be released when the cache is full.
         closed: Set when the owner closes: waits give up with LoaderClosed.
         limit: ``cache_limit`` (shards or bytes); None keeps everything.
         on_change: A cached shard whose recorded recipe differs from the source's is
             ``'regenerate'``d (default) or ``'raise'``s :class:`~gluon_stream.StaleShard`.
+
+    Example:
+        >>> cache = LocalShardCache(tmp, lock_timeout=10, limit=2)  # doctest: +SKIP
+        >>> with cache.pinned("a", make_a) as (path, hit):  # doctest: +SKIP
+        ...     arrays = load_shard(path)
     """
 
     def __init__(self, cache_dir: str | os.PathLike, lock_timeout: float,
@@ -118,6 +142,10 @@ class ShardCache:
             raise ValueError(f"shard name {name!r} escapes the cache directory {self.root!r}")
         return path
 
+    def _final(self, name: str, suffix: str) -> str:
+        """Where the finished shard ``name`` with ``suffix`` is published."""
+        return self.path_for(name, suffix)
+
     def lookup(self, name: str) -> str | None:
         """Path of a finished shard for ``name``, or None. Symlinks are never followed, and
         anything but a regular file is refused (gluon_stream never deletes what it did not make)."""
@@ -138,7 +166,7 @@ class ShardCache:
             return path
         return None
 
-    def fresh(self, name: str, recipe: Mapping[str, Any] | None) -> str | None:
+    def fresh(self, name: str, recipe: Recipe) -> str | None:
         """Path of a finished shard for ``name`` made by ``recipe``, or None (missing, or stale
         and to be regenerated). Raises StaleShard for a stale one with ``on_change='raise'``."""
         path = self.lookup(name)
@@ -174,18 +202,44 @@ class ShardCache:
                         "without them): serving it and others like it as they are; delete the "
                         "cache if the generator changed since", path)
 
+    def _pin(self, path: str) -> Any:
+        """Keep a finished shard from eviction (a shared lock on its file) until ``_unpin``;
+        None if it is gone (evicted, or replaced by a regeneration, since it was found)."""
+        try:
+            fp = open_regular(path)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fp.fileno(), fcntl.LOCK_SH)  # waits only while an evictor deletes it
+            if os.fstat(fp.fileno()).st_ino != os.stat(path).st_ino:
+                raise FileNotFoundError(path)
+        except FileNotFoundError:
+            fp.close()
+            return None
+        except BaseException:
+            fp.close()
+            raise
+        return fp
+
+    def _unpin(self, pin: Any) -> None:
+        """Release a pin from :meth:`_pin` (closing the file drops its lock)."""
+        if pin is not None:
+            pin.close()
+
     @contextlib.contextmanager
     def reading(self, path: str) -> Iterator[str]:
-        """Hold a shared lock on a finished shard while it is read: eviction skips it.
+        """Pin a finished shard while it is read (eviction skips it) and mark it used now.
 
-        Raises FileNotFoundError when the shard was evicted before the lock was taken.
+        Raises FileNotFoundError when the shard was evicted before the pin was taken.
         """
-        with open_regular(path) as fp:
-            fcntl.flock(fp.fileno(), fcntl.LOCK_SH)
-            if os.fstat(fp.fileno()).st_ino != os.stat(path).st_ino:
-                raise FileNotFoundError(path)  # replaced: read the new one instead
+        pin = self._pin(path)
+        if pin is None:
+            raise FileNotFoundError(path)
+        try:
             self._touch(path)
             yield path
+        finally:
+            self._unpin(pin)
 
     def _touch(self, path: str) -> None:
         """Mark a shard used now (least recently used goes first), where the cache allows it."""
@@ -200,7 +254,7 @@ class ShardCache:
                             "shards in %s (%s): they are served, but LRU eviction goes by when "
                             "they were made", self.root, exc.strerror)
 
-    def num_samples(self, name: str, recipe: Mapping[str, Any] | None = None) -> int | None:
+    def num_samples(self, name: str, recipe: Recipe = None) -> int | None:
         """Samples of a cached shard from its header, or None if it is not cached (or stale)."""
         try:
             path = self.fresh(name, recipe)
@@ -216,22 +270,42 @@ class ShardCache:
         return os.path.join(self.root, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
                                         f"{TEMP_MARKER}{suffix}")
 
-    def lock(self, name: str) -> FileLock:
-        return FileLock(os.path.join(self.root, f".{name}.lock"), timeout=self.lock_timeout)
+    def lock_path(self, name: str) -> str:
+        """The lock file of key ``name`` (or of ``EVICT_LOCK``)."""
+        return os.path.join(self.root, f".{name}{LOCK_SUFFIX}")
 
-    def get_or_create(self, name: str, create: Callable[[], str],
-                      recipe: Mapping[str, Any] | None = None) -> tuple[str, bool]:
-        """Return (path, cache_hit); ``create()`` writes a validated temp file and returns its path.
+    @contextlib.contextmanager
+    def pinned(self, name: str, create: Create,
+               recipe: Recipe = None) -> Iterator[tuple[str, bool]]:
+        """Make sure the shard is cached and pin it for the with-block: ``(path, cache_hit)``.
 
-        One process generates a key at a time (a cross-process lock); whoever waited finds the
-        finished file. A lock whose holder died is released by the OS, so a waiter takes over.
-        With ``recipe``, a cached shard made by another recipe counts as missing (or raises,
-        see ``on_change``), and the new shard is published with ``recipe`` recorded on it.
-        A ``cache_dir`` deleted meanwhile is recreated once and the shard made again.
+        ``create()`` writes a validated temp file and returns its path. One process generates
+        a key at a time (a cross-process lock); whoever waited finds the finished file. A lock
+        whose holder died is released by the OS, so a waiter takes over. With ``recipe``, a
+        cached shard made by another recipe counts as missing (or raises, see ``on_change``),
+        and the new shard is published with ``recipe`` recorded on it. A ``cache_dir`` deleted
+        meanwhile is recreated once and the shard made again. A new shard is pinned from
+        before it is published, so no other producer's eviction takes it before it is read.
         """
+        path, hit, pin = self._ensure(name, create, recipe)
+        try:
+            yield path, hit
+        finally:
+            self._unpin(pin)
+
+    def get_or_create(self, name: str, create: Create,
+                      recipe: Recipe = None) -> tuple[str, bool]:
+        """As :meth:`pinned`, unpinned on return: ``(path, cache_hit)``."""
+        with self.pinned(name, create, recipe) as found:
+            return found
+
+    def _ensure(self, name: str, create: Create, recipe: Recipe) -> tuple[str, bool, Any]:
+        """(path, cache_hit, pin) of the shard ``name``, made if missing or stale."""
         path = self.fresh(name, recipe)
         if path is not None:
-            return path, True
+            pin = self._pin(path)
+            if pin is not None:
+                return path, True, pin
         if self.read_only:
             raise self._cannot_generate(name)
         for attempt in range(2):
@@ -256,37 +330,58 @@ class ShardCache:
                           "cannot be generated there; generate it where the cache is writable, "
                           "or point cache_dir at a writable directory", key=name)
 
-    def _create_locked(self, name: str, create: Callable[[], str],
-                       recipe: Mapping[str, Any] | None) -> tuple[str, bool]:
+    def _create_locked(self, name: str, create: Create, recipe: Recipe) -> tuple[str, bool, Any]:
         if not os.path.isdir(self.root):
             logger.warning("cache_dir %s was deleted while running; recreating it", self.root)
             os.makedirs(self.root, exist_ok=True)
-        lock = self.lock(name)
-        self._acquire(lock, name)
-        try:
+        with self._locked(name, lambda: self._lock_timeout_error(name)):
+            self._refresh(name)
             path = self.fresh(name, recipe)
-            if path is not None:
-                return path, True
+            pin = None if path is None else self._pin(path)
+            if pin is not None:
+                return path, True, pin
             tmp = create()
-            if os.path.islink(tmp):
-                remove_if_exists(tmp)
-                raise UnsafeShard(f"shard {name!r}: the generator left a symlink at {tmp!r}; "
-                                  "gluon_stream does not follow links in its cache. Write the "
-                                  "shard itself to the '{path}' argument", path=tmp)
             try:
+                if os.path.islink(tmp):
+                    raise UnsafeShard(f"shard {name!r}: the generator left a symlink at {tmp!r}; "
+                                      "gluon_stream does not follow links in its cache. Write the "
+                                      "shard itself to the '{path}' argument", path=tmp)
                 if recipe is not None:
                     self._record(tmp, recipe)
-                return self._publish(tmp, name), False
+                path, pin = self._publish(tmp, name)
+                return path, False, pin
             except BaseException:
                 remove_if_exists(tmp)
                 raise
-        finally:
-            with contextlib.suppress(FileNotFoundError):  # the cache_dir itself may be gone
-                remove_if_exists(lock.lock_file)  # while held: late waiters see the finished file
-            lock.release()
 
-    def _record(self, tmp: str, recipe: Mapping[str, Any]) -> None:
+    @contextlib.contextmanager
+    def _locked(self, name: str, timed_out: Callable[[], BaseException]) -> Iterator[None]:
+        """Hold the cross-process lock of key ``name`` (or of ``EVICT_LOCK``)."""
+        with exclusive(self.lock_path(name), self.lock_timeout, self.closed, timed_out,
+                       waiting=lambda: self._waiting(name)):
+            yield
+
+    def _waiting(self, name: str) -> None:
+        """Called once when another process holds the lock of ``name``."""
+        logger.debug("waiting for another process holding the lock of %r in %s", name, self.root)
+
+    def _lock_timeout_error(self, name: str) -> ShardError:
+        if name == EVICT_LOCK:
+            return ShardError(
+                f"waited {self.lock_timeout:g} s for the eviction lock of {self._where()} (lock "
+                f"{self.lock_path(name)}), held by another process making room; raise "
+                "lock_timeout, or remove the lock file if no gluon_stream process is running")
+        return ShardError(
+            f"shard {name!r}: waited {self.lock_timeout:g} s for another process generating it "
+            f"(lock {self.lock_path(name)}); raise lock_timeout, or remove the lock file if no "
+            "gluon_stream process is running", key=name)
+
+    def _refresh(self, name: str) -> None:
+        """Forget what this process believes about ``name`` (a local directory: nothing)."""
+
+    def _record(self, tmp: str, recipe: Recipe) -> None:
         """Record the recipe on the temp file; where the file system cannot, say so once."""
+        assert recipe is not None
         try:
             write_recipe(tmp, recipe)
         except (OSError, NotImplementedError) as exc:
@@ -297,62 +392,108 @@ class ShardCache:
                             "env= or version= will not be detected there; delete the cache "
                             "yourself when the generator changes", self.root, exc)
 
-    def _acquire(self, lock: FileLock, name: str) -> None:
-        """Wait for the key's lock in slices, re-checking ``closed`` so close() never waits long."""
-        deadline = time.monotonic() + self.lock_timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                lock.acquire(timeout=max(0.0, min(WAIT_SLICE_S, remaining)))
-                return
-            except LockTimeout as exc:
-                if self.closed.is_set():
-                    raise LoaderClosed(f"closed while waiting for the lock of shard {name!r}") \
-                        from None
-                if remaining <= WAIT_SLICE_S:
-                    raise ShardError(
-                        f"shard {name!r}: waited {self.lock_timeout:g} s for another process "
-                        f"generating it (lock {lock.lock_file}); raise lock_timeout, or remove the "
-                        "lock file if no gluon_stream process is running", key=name) from exc
-
-    def _publish(self, tmp: str, name: str) -> str:
-        """Move a finished, validated temp file into place; readers see all of it or nothing.
+    def _publish(self, tmp: str, name: str) -> tuple[str, Any]:
+        """Move a finished, validated temp file into place, pinned, after making room for it
+        (``cache_limit``); readers see all of it or nothing: ``(path, pin)``.
 
         A shard of the other suffix for the same key (made before the format changed) goes, so
         lookups cannot find it first.
         """
-        suffix = os.path.splitext(tmp)[1]
-        final = self.path_for(name, suffix)
+        pin = self._pin(tmp)  # before it is published: no eviction can take it unread
+        if pin is None:
+            raise FileNotFoundError(tmp)
+        try:
+            with self._room_for(name, os.path.getsize(tmp)):
+                return self._place(tmp, name, os.path.splitext(tmp)[1]), pin
+        except BaseException:
+            self._unpin(pin)
+            raise
+
+    @contextlib.contextmanager
+    def _room_for(self, name: str, size: int) -> Iterator[None]:
+        """With ``cache_limit``, hold the eviction lock with room made for one more shard of
+        ``size`` bytes, so what the with-block publishes keeps the cache within the limit."""
+        if not self.limit.bounded:
+            yield
+            return
+        with self._locked(EVICT_LOCK, lambda: self._lock_timeout_error(EVICT_LOCK)):
+            self._make_room(name, size)
+            yield
+
+    def _place(self, tmp: str, name: str, suffix: str) -> str:
+        """Move the temp file to its final name; remove the key's shard of the other suffix."""
+        final = self._final(name, suffix)
         os.replace(tmp, final)
         for other in SUFFIXES:
             if other != suffix:
-                remove_if_exists(self.path_for(name, other))
+                remove_if_exists(self._final(name, other))
         return final
 
     # -- bounding the cache ------------------------------------------------------------------
-    def enforce_limit(self, keep: str) -> None:
-        """Evict least recently used shards until the cache fits ``cache_limit``.
+    def _make_room(self, name: str, size: int) -> None:
+        """Evict least recently used, unpinned shards until one more of ``size`` bytes fits.
 
-        Shards held by a reader anywhere (a shared lock) and ``keep`` are never evicted;
-        one process evicts at a time.
+        Called under the eviction lock. While every shard that would have to go is pinned,
+        waits for one to be released, at most ``lock_timeout``.
         """
-        if not self.limit.bounded or self.read_only:
-            return
-        lock = self.lock("cache-evict")
-        with lock:
-            evict_lru(self._listing(), self.limit, keep, self._try_evict)
-            remove_if_exists(lock.lock_file)
+        if self.limit.max_bytes is not None and size > self.limit.max_bytes:
+            raise ShardError(f"shard {name!r} is {size} bytes, more than cache_limit "
+                             f"({self.limit}) allows in all; raise cache_limit", key=name)
+        replaced = {self._final(name, suffix) for suffix in SUFFIXES}  # this publish replaces
+        deadline = time.monotonic() + self.lock_timeout
+        while True:
+            shards = [s for s in self._listing() if s[1] not in replaced]
+            if evict_lru(shards, self.limit, self._try_evict, incoming=(1, size)):
+                return
+            if time.monotonic() >= deadline:
+                raise ShardError(
+                    f"shard {name!r}: cache_limit ({self.limit}) leaves no room for it: the "
+                    f"{len(shards)} shards in {self._where()} stayed pinned (being read, or "
+                    f"made and not yet read) for lock_timeout={self.lock_timeout:g} s; raise "
+                    "cache_limit above the number of shards read at once", key=name)
+            self._tell_once("full", logging.INFO,
+                            "cache_limit (%s): every shard in %s that could make room for %r is "
+                            "being read or was just made; waiting for one to be released (at "
+                            "most lock_timeout=%g s)", self.limit, self._where(), name,
+                            self.lock_timeout)
+            if self.closed.wait(ROOM_POLL_S):
+                raise LoaderClosed(f"closed while waiting for room for shard {name!r}")
+
+    def _where(self) -> str:
+        """The cache's location, for messages."""
+        return self.root
 
     def _listing(self) -> list[tuple[float, str, int]]:
-        """(last used, path, bytes) of every finished shard."""
+        """(last used, path, bytes) of every finished shard. A last-used time in the future
+        (a skewed clock, a restored backup) is reset to now, once, so that the shard ages."""
         shards = []
-        for entry in os.scandir(self.root):
-            if entry.name.startswith(".") or not entry.name.endswith(SUFFIXES):
-                continue
-            with contextlib.suppress(FileNotFoundError):
-                info = entry.stat(follow_symlinks=False)
-                shards.append((info.st_mtime, entry.path, info.st_size))
+        now = time.time()
+        with os.scandir(self.root) as entries:
+            for entry in entries:
+                if entry.name.startswith(".") or not entry.name.endswith(SUFFIXES):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    info = entry.stat(follow_symlinks=False)
+                    used = info.st_mtime
+                    if used > now + FUTURE_SLACK_S:
+                        self._reset_future(entry.path, used, now)
+                        used = now
+                    shards.append((used, entry.path, info.st_size))
         return shards
+
+    def _reset_future(self, path: str, used: float, now: float) -> None:
+        """Set a last-used time that lies in the future to ``now`` (said once per cache)."""
+        self._tell_once("future-mtime", logging.WARNING,
+                        "cached shard %s was last modified in the future (%s s ahead: a skewed "
+                        "clock or a restored backup); counting it as used now, so it ages like "
+                        "the others", path, f"{used - now:.0f}")
+        try:
+            os.utime(path, (now, now))
+        except OSError as exc:
+            if exc.errno not in _READ_ONLY:
+                raise
+            logger.info("cannot reset the future last-used time of %s (%s): it counts as used "
+                        "now in this pass only", path, exc.strerror)
 
     def _try_evict(self, path: str) -> bool:
         return evict_if_unread(path)
@@ -371,17 +512,9 @@ class ShardCache:
 
     def _remove_stale_locks(self) -> None:
         """Delete lock files nobody holds (their holder was killed); held ones are left alone."""
-        for path in glob.glob(os.path.join(glob.escape(self.root), ".*.lock")):
-            lock = FileLock(path, timeout=0)
-            try:
-                lock.acquire()
-            except LockTimeout:
-                continue  # a live process holds it
-            try:
-                logger.info("removing lock file %s left by a crashed run", path)
-                remove_if_exists(path)
-            finally:
-                lock.release()
+        for path in glob.glob(os.path.join(glob.escape(self.root), f".*{LOCK_SUFFIX}")):
+            if remove_if_unheld(path):
+                logger.info("removed lock file %s left by a crashed run", path)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -6,12 +6,15 @@ worker) can generate shards into a ``cache_dir`` both sides see.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
+import contextlib
 import logging
 import os
 import threading
 import time
+import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
 from .._closing import Closing
 from ..cache import ShardCache, make_cache
@@ -19,9 +22,11 @@ from ..errors import CorruptShard, LoaderClosed, ShardError, UnsafeKey, UnsafeSh
 from ..keys import Keys, check_keys, keys_for_epoch, validate_key
 from ..shardfile import load_shard
 
-__all__ = ["CachingSource", "LOAD_ATTEMPTS", "RawShard", "Source"]
+__all__ = ["CachingSource", "LOAD_ATTEMPTS", "RawShard", "Source", "run_elsewhere"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 LOAD_ATTEMPTS = 3  # a shard evicted by another process between lookup and load is made again
 
@@ -123,27 +128,26 @@ class CachingSource(Source):
         """The shard's file name in the cache (without suffix)."""
         return validate_key(key)
 
+    def _require_cache(self) -> ShardCache:
+        if self._cache is None:
+            raise AssertionError(f"{type(self).__name__} has no cache_dir")  # callers check
+        return self._cache
+
     def ensure_file(self, key: Any, epoch: int) -> tuple[str, bool, float]:
         """Make sure the shard is in the cache: (path, cache_hit, seconds).
 
         Runs wherever ``cache_dir`` is visible, e.g. on a dask worker of a shared filesystem.
         """
-        name = self.shard_name(key, epoch)
         t0 = time.perf_counter()
-        path, hit = self._cache.get_or_create(name, lambda: self._create(key, epoch),
-                                              self.recipe(key, epoch))
-        if not hit:
-            self._cache.enforce_limit(keep=path)
+        path, hit = self._require_cache().get_or_create(
+            self.shard_name(key, epoch), lambda: self._create(key, epoch), self.recipe(key, epoch))
         return path, hit, time.perf_counter() - t0
 
     def produce(self, key: Any, epoch: int, executor: Any = None) -> RawShard:
         """Generate (locally, or on ``executor``) unless cached, then load and validate."""
         self._check_open()
         validate_key(key)
-        if executor is None:
-            return self._load_cached(key, epoch, self.ensure_file)
-        return self._load_cached(
-            key, epoch, lambda k, e: executor.submit(_ensure_remote, self, k, e).result())
+        return self._load_cached(key, epoch, executor)
 
     def keys_for_epoch(self, epoch: int) -> tuple[Iterable[Any], bool]:
         """As :meth:`Source.keys_for_epoch`; finite keys of a cache are all validated up front.
@@ -171,31 +175,49 @@ class CachingSource(Source):
             return None
         return self._cache.num_samples(self.shard_name(key, epoch), self.recipe(key, epoch))
 
-    def _load_cached(self, key: Any, epoch: int,
-                     ensure: Callable[[Any, int], tuple[str, bool, float]]) -> RawShard:
-        """``ensure`` the file, then load it under a shared lock (so no process evicts it)."""
-        assert self._cache is not None
+    @contextlib.contextmanager
+    def _ensured(self, key: Any, epoch: int,
+                 executor: cf.Executor | None) -> Iterator[tuple[str, bool]]:
+        """The shard made or found in the cache, ``(path, cache_hit)``; made here pinned until
+        the with-block ends, or on ``executor`` (whose pin ends when it returns)."""
+        cache = self._require_cache()
+        if executor is not None:
+            path, hit, _ = run_elsewhere(executor, _ensure_remote, self, key, epoch)
+            yield path, hit
+            return
+        with cache.pinned(self.shard_name(key, epoch), lambda: self._create(key, epoch),
+                          self.recipe(key, epoch)) as found:
+            yield found
+
+    def _load_cached(self, key: Any, epoch: int, executor: cf.Executor | None) -> RawShard:
+        """Make sure the shard is cached, then load it pinned (so no process evicts it)."""
+        cache = self._require_cache()
         generate_s = 0.0
         for attempt in range(LOAD_ATTEMPTS):
-            path, hit, seconds = ensure(key, epoch)
-            generate_s += seconds
-            t1 = time.perf_counter()
-            try:
-                with self._cache.reading(path) as local:
-                    arrays = load_shard(local, mmap=self._mmap)
-            except FileNotFoundError:
-                logger.info("shard %r was evicted before it could be read; making it again", key)
-                continue
-            except (CorruptShard, UnsafeShard):
-                self._cache.evict(path)
-                if not hit or attempt:
-                    raise
-                logger.warning("cached shard %s for key %r is unreadable; deleted it, "
-                               "regenerating", path, key)
-                continue
+            t0 = time.perf_counter()
+            with self._ensured(key, epoch, executor) as (path, hit):
+                t1 = time.perf_counter()
+                generate_s += t1 - t0
+                try:
+                    with cache.reading(path) as local:
+                        arrays = load_shard(local, mmap=self._mmap)
+                except FileNotFoundError:
+                    logger.info("shard %r was evicted (or replaced) before it could be read; "
+                                "making it again", key)
+                    continue
+                except (CorruptShard, UnsafeShard):
+                    cache.evict(path)
+                    if not hit or attempt:
+                        raise
+                    logger.warning("cached shard %s for key %r is unreadable; deleted it, "
+                                   "regenerating", path, key)
+                    continue
             return RawShard(key, epoch, arrays, path, hit, generate_s, time.perf_counter() - t1)
-        raise ShardError(f"shard {key!r}: evicted {LOAD_ATTEMPTS} times before it could be read; "
-                         "raise cache_limit above the number of shards in flight", key=key)
+        raise ShardError(f"shard {key!r}: gone from the cache {LOAD_ATTEMPTS} times before it "
+                         "could be read: deleted by another program, or evicted by a process "
+                         "that cannot see this reader (an fsspec cache_dir shared by several "
+                         "processes: give it a cache_limit above the shards they read at once)",
+                         key=key)
 
 
 def _same_key(a: Any, b: Any) -> bool:
@@ -209,3 +231,15 @@ def _same_key(a: Any, b: Any) -> bool:
 def _ensure_remote(source: CachingSource, key: Any, epoch: int) -> tuple[str, bool, float]:
     """Runs on a remote executor's worker: generate the shard into the shared cache_dir."""
     return source.ensure_file(key, epoch)
+
+
+def run_elsewhere(executor: cf.Executor, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` run on ``executor``, waited for. Each call is a new task: dask's executor
+    submits *pure* tasks, which hand an identical call the result of the first, so a retry of
+    a failed shard would get the same failure back without running anything."""
+    return executor.submit(_run_task, fn, args, uuid.uuid4().hex).result()
+
+
+def _run_task(fn: Callable[..., T], args: tuple, task_id: str) -> T:
+    """Runs on the executor: ``task_id`` only makes each submission a task of its own."""
+    return fn(*args)

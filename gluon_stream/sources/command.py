@@ -111,7 +111,7 @@ class CommandSource(CachingSource):
     def _create(self, key: Any, epoch: int) -> str:
         name = self.shard_name(key, epoch)
         for attempt in range(self.retry.attempts):
-            tmp = self._cache.temp_path(name, self.suffix)
+            tmp = self._require_cache().temp_path(name, self.suffix)
             try:
                 self._run_once(key, epoch, tmp)
                 if not os.path.islink(tmp):
@@ -159,7 +159,7 @@ class CommandSource(CachingSource):
             if is_disk_full(text):
                 raise ShardError(
                     f"shard {key!r}: disk full: the generator's stderr reports a full disk or "
-                    f"quota writing {tmp!r}; free space in {self._cache.root!r} or point "
+                    f"quota writing {tmp!r}; free space in {self._require_cache().root!r} or point "
                     f"cache_dir elsewhere (not retried); command: {argv}; stderr tail:\n{text}",
                     key=key, argv=argv, returncode=code, stderr_tail=text, disk_full=True)
             how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
@@ -198,8 +198,8 @@ class CommandSource(CachingSource):
                     f"'{ext}' to a name that does not end in it. Write exactly the '{{path}}' "
                     "argument by passing an open file: with open(path, 'wb') as f: "
                     f"np.save(f, ...) or np.savez(f, ...){hint}")
-        if not os.path.isdir(self._cache.root):
-            return (f"cache_dir {self._cache.root!r} was deleted while it ran, with the file it "
+        if not os.path.isdir(self._require_cache().root):
+            return (f"cache_dir {self._require_cache().root!r} was deleted while it ran, with the file it "
                     "wrote")
         return f"wrote no file at {tmp!r} (it must write to the '{{path}}' argument)"
 

@@ -80,7 +80,7 @@ def _fetched(url: str) -> Iterator[str]:
     """A remote shard (a FileSource key) as a private local copy; a missing one is corrupt."""
     fs, path = fsspec().core.url_to_fs(url)
     try:
-        with downloaded(fs, path, url) as local:
+        with downloaded(fs, path, url, key=url) as local:
             yield local
     except FileNotFoundError as exc:
         raise CorruptShard(f"shard {url!r} does not exist", path=url,

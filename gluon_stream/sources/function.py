@@ -11,7 +11,7 @@ import numpy as np
 from ..errors import ShardError, StreamError
 from ..keys import Keys
 from ..shardfile import normalize_arrays, write_shard
-from .base import CachingSource, RawShard
+from .base import CachingSource, RawShard, run_elsewhere
 
 __all__ = ["FunctionSource"]
 
@@ -25,6 +25,8 @@ class FunctionSource(CachingSource):
     MXNet NDArrays in any of those places, all with the same first dimension (the samples).
     A list of arrays that differ in shape or dtype is read as columns; a list of same-shaped
     arrays is refused as ambiguous (rows or columns?): return a tuple, or ``np.stack(rows)``.
+    A list of samples ``(data, label, ...)``, as a Gluon list dataset holds them
+    (``[([1, 2], 0), ([3, 4], 1)]``), becomes one column per field.
     With ``cache_dir`` the result is written there atomically and later runs load it instead
     of calling ``fn``; without, ``fn`` runs every time the shard is needed and its arrays live
     only in memory while the shard is in the pipeline.
@@ -81,13 +83,14 @@ class FunctionSource(CachingSource):
         if executor is None:
             arrays = self.call(key)
         else:
-            arrays = executor.submit(_call_remote, self, key).result()
+            arrays = run_elsewhere(executor, _call_remote, self, key)
         return RawShard(key, epoch, arrays, None, False, time.perf_counter() - t0, 0.0)
 
     def _create(self, key: Any, epoch: int) -> str:
         arrays = self.call(key)
         suffix = ".npy" if len(arrays) == 1 else ".npz"
-        return write_shard(self._cache.temp_path(self.shard_name(key, epoch), suffix), arrays)
+        temp = self._require_cache().temp_path(self.shard_name(key, epoch), suffix)
+        return write_shard(temp, arrays)
 
 
 def _call_remote(source: FunctionSource, key: Any) -> tuple[np.ndarray, ...]:
