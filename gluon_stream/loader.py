@@ -25,7 +25,7 @@ from . import _validate
 from ._closing import Closing
 from ._lifecycle import check_owner, track
 from ._mx import arrays as mx_arrays
-from ._mx import require_mxnet
+from ._mx import gluon_data_loader, require_mxnet
 from ._mx import workers as mx_workers
 from ._mx.samples import SAMPLE_FORMATS, SampleFormat
 from .batching import LAST_BATCH_MODES, LastBatch, Position
@@ -129,6 +129,11 @@ class StreamLoader(Closing):
         ...     [len(b) for b in loader]
         [4, 4, 4, 4, 4, 4, 4, 2]
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "StreamLoader":
+        """A StreamLoader is a ``gluon.data.DataLoader`` too (``Estimator.fit`` and
+        ``evaluate`` check ``isinstance``); MXNet is imported here, at first use."""
+        return super().__new__(gluon_data_loader(cls))
 
     def __init__(self, source: Source | ShardStream, batch_size: int, *,
                  transform: Callable[[Any], Any] | None = _validate.UNSET,
@@ -244,6 +249,11 @@ class StreamLoader(Closing):
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch of the next pass (its keys, shuffle order and cache entries)."""
         self.stream.set_epoch(epoch)
+
+    def __bool__(self) -> bool:
+        """Always true: ``if val_data:`` (Estimator) must not ask ``len()``, which is unknown
+        (a TypeError) before the sizes are, or 0 for an epoch with no batch."""
+        return True
 
     def __len__(self) -> int:
         """Batches of the next pass's epoch, counted from its start, as it yields them: with

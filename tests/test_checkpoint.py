@@ -40,26 +40,6 @@ class Preempted(Exception):
 
 
 # -- Estimator ------------------------------------------------------------------------------
-class _DataLoaderView(gluon.data.DataLoader):
-    """A StreamLoader as ``Estimator.fit`` takes it while StreamLoader is no gluon DataLoader
-    (Estimator checks isinstance; see test_estimator_fit_takes_a_stream_loader). Used only then."""
-
-    _worker_pool = None  # DataLoader.__del__ reads it; DataLoader.__init__ is not called
-
-    def __init__(self, loader: gs.StreamLoader) -> None:  # pylint: disable=super-init-not-called
-        self.loader = loader
-
-    def __iter__(self):
-        return iter(self.loader)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-
-def as_train_data(loader):
-    return loader if isinstance(loader, gluon.data.DataLoader) else _DataLoaderView(loader)
-
-
 class Recorder(BatchEnd, EpochEnd):
     """Records each batch's ids and the batch count at each epoch end; raises Preempted after
     ``stop_after`` batches. Priority 1: after the checkpoint handler (0) at each event."""
@@ -110,7 +90,7 @@ def fit(model_dir, *, epochs=None, batches=None, stop_after=None, resume=False,
         ckpt = gs.StreamCheckpoint(loader, str(model_dir), resume_from_checkpoint=resume,
                                    **checkpoint_args)
         try:
-            estimator().fit(as_train_data(loader), epochs=epochs, batches=batches,
+            estimator().fit(loader, epochs=epochs, batches=batches,
                             event_handlers=[ckpt, recorder])
         except Preempted:
             pass
@@ -247,9 +227,6 @@ def test_stream_checkpoint_checks_its_arguments(tmp_path):
             gs.do_checkpoint(str(tmp_path / "m"), loader, period=0)
 
 
-@pytest.mark.xfail(strict=True, raises=(ValueError, TypeError), reason=(
-    "gap in the loader: Estimator.fit/evaluate require isinstance(data, gluon.data.DataLoader) "
-    "(ValueError), and `if val_data:` calls len(), a TypeError when sizes are unknown"))
 def test_estimator_fit_takes_a_stream_loader(tmp_path):
     """``Estimator.fit(train_data=loader, val_data=loader2, epochs=N)`` as it is."""
     with make_loader() as loader, make_loader(shuffle=False, last_batch="keep") as val:

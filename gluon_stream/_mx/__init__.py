@@ -14,8 +14,8 @@ import threading
 import warnings
 from typing import Any
 
-__all__ = ["INSTALL_HINT", "data_iter_base", "mxnet_available", "require_mxnet",
-           "restore_numpy_aliases"]
+__all__ = ["INSTALL_HINT", "data_iter_base", "gluon_data_loader", "mxnet_available",
+           "require_mxnet", "restore_numpy_aliases"]
 
 INSTALL_HINT = ("gluon_stream needs MXNet 1.9.1 with numpy<1.24 (Python 3.12: numpy 1.26 and "
                 "setuptools): pip install 'gluon_stream[cpu]' (or 'gluon_stream[cu112]' for "
@@ -99,3 +99,26 @@ def data_iter_base() -> type:
     """``mx.io.DataIter`` (``Module.predict`` checks ``isinstance``), or a placeholder."""
     mx = _load()
     return mx.io.DataIter if mx is not None else _DataIterPlaceholder
+
+
+_data_loaders: dict[type, type] = {}
+
+
+def gluon_data_loader(cls: type) -> type:
+    """``cls`` made a ``gluon.data.DataLoader`` as well: a subclass of both, made once per class.
+
+    ``Estimator.fit`` and ``evaluate`` accept only ``isinstance(data, gluon.data.DataLoader)``.
+    The subclass is made at first use, so importing gluon_stream still does not import MXNet.
+    ``DataLoader.__init__`` is never called; ``_worker_pool = None`` is the one attribute of
+    it that ``DataLoader.__del__`` reads (it then has no pool to end). ``cls``'s own methods
+    (``__iter__``, ``__len__``, ``__bool__``) come first in the MRO.
+    """
+    mx = require_mxnet()
+    with _lock:
+        made = _data_loaders.get(cls)
+        if made is None:
+            made = type(cls.__name__, (cls, mx.gluon.data.DataLoader),
+                        {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                         "__doc__": cls.__doc__, "_worker_pool": None})
+            _data_loaders[cls] = made
+        return made
