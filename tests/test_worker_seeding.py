@@ -104,10 +104,7 @@ def rows_until(ld, epochs, stop=None):
     return out
 
 
-@pytest.mark.parametrize("cut", [1, 7, pytest.param(10, marks=pytest.mark.xfail(
-    strict=True, reason="loader: a state taken right after an epoch's last batch says the "
-    "next epoch, position 0, but batches=10, so the resumed epoch numbers its batches (and "
-    "seeds) from 10")), 16])
+@pytest.mark.parametrize("cut", [1, 7, 10, 16])
 def test_a_resumed_run_augments_the_rest_as_the_unbroken_run_did(cut):
     sizes = [10, 7, 12, 9]  # 10 batches an epoch, some across shard boundaries
     opts = {"sizes": sizes, "batch_size": 4, "num_workers": 2}
