@@ -318,6 +318,33 @@ def test_a_cache_that_stays_pinned_raises_rather_than_exceed_its_limit(tmp_path)
     assert os.listdir(tmp_path / "small") == []
 
 
+_LOCKER = r"""
+import sys, threading
+from gluon_stream.cache.lock import exclusive
+lock, log, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+closed = threading.Event()
+for _ in range(rounds):
+    with exclusive(lock, 30, closed, lambda: TimeoutError(lock)):
+        with open(log, "a") as fp:  # two writes: another holder would land between them
+            fp.write("in\n")
+            fp.flush()
+            fp.write("out\n")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_eviction_lock_excludes_other_processes(tmp_path):
+    """Room is made under this lock in every process: it must be a true mutex, though each
+    holder removes the lock file (a waiter that opened the removed file must not take it)."""
+    lock, log = tmp_path / ".cache-evict.lock", tmp_path / "log"
+    procs = [subprocess.Popen([sys.executable, "-c", _LOCKER, str(lock), str(log), "200"],
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    errs = [p.communicate(timeout=JOIN_S)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], errs
+    assert log.read_text() == "in\nout\n" * 600
+    assert not lock.exists()
+
+
 def test_a_shard_dated_in_the_future_ages_like_the_others(tmp_path, caplog):
     """A restored shard stamped a day ahead used to count as the most recently used forever: the
     three keys then shared two places and were made again every epoch (9 runs, not 3)."""

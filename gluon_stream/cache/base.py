@@ -58,6 +58,3 @@ class ShardCache(Protocol):
 
     def evict(self, path: str) -> None:
         """Remove a finished shard (it is unreadable); gone already is fine."""
-
-    def close(self) -> None:
-        """Release what the cache holds (pins); idempotent."""

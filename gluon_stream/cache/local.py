@@ -48,7 +48,7 @@ import stat
 import threading
 import time
 import uuid
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from ..errors import CorruptShard, LoaderClosed, ShardError, StaleShard, UnsafeShard
 from ..shardfile import TEMP_MARKER, discard_path, inspect_shard, open_regular, remove_if_exists
@@ -337,9 +337,10 @@ class LocalShardCache:
         with self._locked(name, lambda: self._lock_timeout_error(name)):
             self._refresh(name)
             path = self.fresh(name, recipe)
-            pin = None if path is None else self._pin(path)
-            if pin is not None:
-                return path, True, pin
+            if path is not None:
+                pin = self._pin(path)
+                if pin is not None:
+                    return path, True, pin
             tmp = create()
             try:
                 if os.path.islink(tmp):

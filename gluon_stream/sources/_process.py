@@ -28,7 +28,7 @@ WAIT_SLICE_S = 0.5  # how often a blocked wait re-checks close()
 class RunResult:
     """How one run ended."""
 
-    returncode: int | None
+    returncode: int
     stderr_tail: str
     timed_out: bool
     closed: bool
@@ -48,7 +48,7 @@ class ProgramRunner:
         return {}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__()
+        ProgramRunner.__init__(self)
 
     def run(self, argv: Sequence[str], *, timeout: float | None, env: Mapping[str, str] | None,
             closed: threading.Event) -> RunResult:
