@@ -11,6 +11,7 @@ included, resumes exactly.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -114,6 +115,8 @@ class EpochPass:
         clock = stats.clock
         record = stats.new_epoch(run.epoch)
         t_start = waiting_since = clock()
+        feed: UnitFeed | None = None
+        worker_wait = path.wait_s
         bar = (ProgressBar(run.epoch, self.expected,
                            live=True if settings.progress == "live" else None)
                if settings.progress else None)
@@ -125,7 +128,7 @@ class EpochPass:
             if k > 1:
                 mixer = WindowMixer(k, stream.seed, run.epoch, first_unit=position.unit)
                 budget = max(stream.prefetch, k) + 1
-                feed: UnitFeed = WindowFeed(run, planner, carry, path, record, mixer, budget)
+                feed = WindowFeed(run, planner, carry, path, record, mixer, budget)
             else:
                 feed = UnitFeed(run, planner, carry, path, record)
             delivered = start.delivered
@@ -133,7 +136,7 @@ class EpochPass:
             batches = path.batches(feed, carry, first=delivered,
                                    seed_of=lambda n: batch_seed(seed, epoch, n))
             if settings.ctx is not None:
-                batches = _placed(batches, path, settings.ctx)
+                batches = _placed(batches, path, settings.ctx, record)
             even = self.even
             last_unit, shard_wait, waits = None, 0.0, 0
             units = None if run.key_list is None else (
@@ -190,6 +193,10 @@ class EpochPass:
         finally:
             run.cancel()
             record.skipped_shards = run.skipped
+            record.worker_wait_s += path.wait_s - worker_wait
+            if feed is not None:
+                record.shard_wait_s += feed.shard_wait_s
+                record.mix_wait_s += feed.mix_wait_s
             record.wall_s = clock() - t_start
             if bar is not None:
                 bar.close(record)
@@ -308,11 +315,20 @@ def _unit_name(seg: Segment) -> str:
     return f"shard {seg.key!r}" if seg.key is not None else f"unit {seg.unit}"
 
 
-def _placed(batches: Iterator[tuple], path: Any, ctx: Any) -> Iterator[tuple]:
+def _placed(batches: Iterator[tuple], path: Any, ctx: Any, record: EpochRecord
+            ) -> Iterator[tuple]:
     """Batches copied to ``ctx``, the next one's copy started before the current one is handed
     out whenever the next one is ready (never waiting for it)."""
+    def place(item: tuple | None) -> tuple | None:
+        if item is None:
+            return None
+        start = time.perf_counter()
+        placed = mx_arrays.place(item[1], ctx)
+        record.place_s += time.perf_counter() - start
+        return item[0], placed
+
     item = next(batches, None)
-    current = None if item is None else (item[0], mx_arrays.place(item[1], ctx))
+    current = place(item)
     while current is not None:
         ahead = path.ready()
         if not ahead:
@@ -323,7 +339,7 @@ def _placed(batches: Iterator[tuple], path: Any, ctx: Any) -> Iterator[tuple]:
             if ahead:  # what the loop would have had before the error
                 yield current
             raise
-        following = None if item is None else (item[0], mx_arrays.place(item[1], ctx))
+        following = place(item)
         if ahead:
             yield current
         current = following

@@ -10,6 +10,7 @@ carried before a failing shard), :attr:`UnitFeed.failure` the error to raise aft
 from __future__ import annotations
 
 import collections
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -90,6 +91,7 @@ class UnitFeed:
         self.end: Position | None = None  # where the epoch ends, once the units run out
         self.failure: BaseException | None = None
         self.shard_wait_s = 0.0  # time spent waiting for shards to be produced, in total
+        self.mix_wait_s = 0.0  # time spent waiting for a window's unit to be gathered
         self.samples = 0  # samples of the shards handed out
         self.names: tuple[str, ...] | None = None  # the arrays' names, where they have some
         self._ended = False
@@ -186,7 +188,9 @@ class WindowFeed(UnitFeed):
                 continue
             self._add_shard(shard)
         unit, pending = self._units.popleft()
+        start = time.perf_counter()
         mixed = pending.result()
+        self.mix_wait_s += time.perf_counter() - start
         for j in unit.done:  # only now: until gathered, the unit's shards count in the budget
             self._shards.pop(j, None)
         self.run.max_pending = self.budget - len(self._shards)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import itertools
+import time
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -56,6 +57,8 @@ class SlicePath:
         mixed: Units mix shards (``shuffle_window > 1``): shards stay as made (no copy) until
             their unit gathers its rows straight into its NDArrays.
     """
+
+    wait_s = 0.0  # batches are slices: the loop never waits for workers
 
     def __init__(self, ctx: Any, mixed: bool = False) -> None:
         self.ctx = ctx
@@ -157,6 +160,7 @@ class SamplePath:
         self._ids = itertools.count()
         self._window: collections.deque = collections.deque()
         self._sids: dict[int, int] = {}  # id(shard arrays) -> source id, while attached
+        self.wait_s = 0.0  # seconds the loop waited for (or, inline, made) batches, in total
         self._numbers: Iterator[int] = itertools.count()  # the epoch's batch numbers
         self._seed_of: Callable[[int], int] | None = None
 
@@ -305,7 +309,11 @@ class SamplePath:
 
     def _take(self, item: tuple, live: dict[int, int]) -> tuple[Batch, Any]:
         batch, tid, what, sids = item
-        data = self.workers.result(tid, self.timeout, what)
+        start = time.perf_counter()
+        try:
+            data = self.workers.result(tid, self.timeout, what)
+        finally:
+            self.wait_s += time.perf_counter() - start
         for sid in sids:
             self._release(live, sid)
         if self.pin is not None:

@@ -85,6 +85,12 @@ class EpochRecord:
         peak_prefetch: Most shards held at once (the current one plus those ready ahead).
         skipped_shards: Shards dropped by ``on_error='skip'``.
         complete: The pass ran to its end (not broken out of).
+        shard_wait_s: Of ``stall_s``, seconds waiting for shards to be produced (generated,
+            loaded, transformed).
+        mix_wait_s: Of ``stall_s``, seconds waiting for a shuffle window's unit to be gathered.
+        worker_wait_s: Of ``stall_s``, seconds waiting for per-sample workers to make batches
+            (with ``num_workers=0``: making them in the loop's thread).
+        place_s: Seconds the loop spent placing batches on ``ctx``.
     """
 
     epoch: int
@@ -97,6 +103,10 @@ class EpochRecord:
     peak_prefetch: int = 0
     skipped_shards: int = 0
     complete: bool = False
+    shard_wait_s: float = 0.0
+    mix_wait_s: float = 0.0
+    worker_wait_s: float = 0.0
+    place_s: float = 0.0
 
 
 @dataclass
