@@ -128,7 +128,7 @@ def dead_s3(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, warm_fsspec: None) -
             _fresh_s3fs()
 
 
-def _ends_with_the_process(child: psutil.Process) -> bool:
+def ends_with_the_process(child: psutil.Process) -> bool:
     """Gone already, or multiprocessing's resource tracker (one per process, kept by design)."""
     try:
         return child.status() == psutil.STATUS_ZOMBIE or \
@@ -156,6 +156,6 @@ def dask_cluster() -> Iterator[DaskCluster]:
             distributed.Client(cluster) as client:
         yield DaskCluster(client, set(client.run(os.getpid).values()))
     left = [c.pid for c in psutil.Process().children(recursive=True)
-            if c.pid not in before and not _ends_with_the_process(c)]
+            if c.pid not in before and not ends_with_the_process(c)]
     assert not left, f"dask processes outlived their cluster: {left}"
     assert not [t.name for t in threading.enumerate() if t.name.startswith("gluon_stream")]

@@ -9,7 +9,7 @@ import pytest
 
 import gluon_stream as gs
 from _helpers import batch_ids
-from _servers import dask_cluster  # noqa: F401  (fixture)
+from _servers import dask_cluster  # noqa: F401, F811  (fixture)
 
 # dask keeps an offload thread and multiprocessing's resource tracker for the process: the
 # leak check cannot tell them from ours, so the fixture checks what the cluster leaves
