@@ -27,6 +27,7 @@ import numpy as np
 
 from . import _validate
 from ._closing import Closing, end_thread_pool
+from ._cores import usable_cores
 from ._lifecycle import check_owner, track
 from ._random import key_hash, seeded_rng
 from ._mx import require_mxnet
@@ -154,7 +155,8 @@ class ShardStream(Closing):
         prefetch: Shards produced ahead of the one being consumed (0: none).
         producers: Shards produced at once. ``'auto'`` (default): one, and one more each time
             the consumer waits for a shard while every producer is busy and a core is free, up
-            to ``min(prefetch, cores)`` (more have nothing ahead to make, or no core to run on);
+            to ``min(prefetch, cores)``, counting the cores this process may use (its CPU
+            affinity and cgroup quota: more have nothing ahead to make, or no core to run on);
             logged at INFO when it grows. An int fixes it; a ``concurrent.futures.Executor``
             (e.g. ``dask.distributed.Client.get_executor()``) generates shards elsewhere into a
             ``cache_dir`` both sides can see, loaded and transformed here, in order.
@@ -207,7 +209,7 @@ class ShardStream(Closing):
         if self._remote is not None:  # local threads only wait for, load and transform shards
             throttle = _Throttle(prefetch + 1, prefetch + 1)
         elif self.auto_producers:
-            throttle = _Throttle(1, max(1, min(prefetch, os.cpu_count() or 1)))
+            throttle = _Throttle(1, max(1, min(prefetch, usable_cores())))
         else:
             producers = _validate.integer(
                 "producers", producers, minimum=1,
