@@ -183,6 +183,11 @@ class ShardStream(Closing):
             stride of each one's samples (after the shard's shuffle), ``n // num_parts`` apiece,
             so the parts hold equal counts without knowing any size ahead (dropping fewer than
             ``num_parts`` samples per shard); pair it with a shared ``cache_dir``.
+        generate_ahead: With a ``cache_dir``, producers that would otherwise sit idle generate
+            up to this many shards beyond the ``prefetch`` window into the cache (disk, not
+            memory), in key order: a shard that takes long to generate no longer holds up the
+            ones after it, while batches keep their order and at most ``prefetch + 1`` shards
+            are loaded. ``'auto'`` (default): ``2 * (prefetch + 1)`` with a cache, else 0.
 
     Example:
         >>> from gluon_stream import FunctionSource
@@ -199,7 +204,8 @@ class ShardStream(Closing):
                  stats: Stats | None = None, num_parts: int | str = 1,
                  part_index: int | str = 0, kvstore: Any = None,
                  shard_sizes: Mapping[Any, int] | Callable[[Any], int] | int | None = None,
-                 num_epochs: int | None = None, deal: str = "shards") -> None:
+                 num_epochs: int | None = None, deal: str = "shards",
+                 generate_ahead: int | str = "auto") -> None:
         if not isinstance(source, Source):
             raise TypeError(f"source must be a CommandSource, FunctionSource or FileSource, got "
                             f"{type(source).__name__}")
@@ -246,6 +252,16 @@ class ShardStream(Closing):
                             f"fn(key) -> samples or one int for every shard, got "
                             f"{type(shard_sizes).__name__}")
         self._shard_sizes = shard_sizes
+        caches = bool(getattr(source, "cached", False)) and self._remote is None
+        if generate_ahead == "auto":
+            self.generate_ahead = 2 * (prefetch + 1) if caches else 0
+        else:
+            self.generate_ahead = _validate.integer("generate_ahead", generate_ahead, minimum=0,
+                                                    hint="or 'auto'")
+            if self.generate_ahead and not caches:
+                raise ValueError(f"generate_ahead={generate_ahead} generates shards into a cache "
+                                 "while they wait to be loaded: it needs a source with a "
+                                 "cache_dir, and local producers")
         self.num_epochs = (None if num_epochs is None
                            else _validate.integer("num_epochs", num_epochs, minimum=1))
         self._res = _Resources(source, throttle)
@@ -258,11 +274,12 @@ class ShardStream(Closing):
         """Shards produced at once now (with ``'auto'``, it grows up to its bound)."""
         return self._res.throttle.active
 
-    def _waited(self, key: Any) -> None:
+    def _waited(self, key: Any, queued: int = 0) -> None:
         """The consumer had to wait for shard ``key``: with ``'auto'``, add a producer if every
-        producer is busy and a core is free (the loop, waiting, uses none)."""
+        producer is busy (running, or about to run one of the ``queued`` shards) and a core
+        is free (the loop, waiting, uses none)."""
         throttle = self._res.throttle
-        if not self.auto_producers or throttle.running < throttle.active:
+        if not self.auto_producers or throttle.running + queued < throttle.active:
             return
         if throttle.grow():
             logger.info("producers='auto': %d producers (the loop waited for shard %r while "
@@ -442,8 +459,28 @@ class ShardStream(Closing):
             raise LoaderClosed("epoch pass cancelled")
         if run is None:  # produce_now: in the caller's thread, outside the producers' count
             return self._make(key, epoch, index, run, prepare)
+        generated_s = run.generated(index)  # made ahead into the cache: only loading is left
         with self._res.throttle:
-            return self._make(key, epoch, index, run, prepare)
+            shard = self._make(key, epoch, index, run, prepare)
+        if generated_s and shard.record is not None:
+            shard.record.generate_s += generated_s
+            shard.record.cache_hit = False
+        return shard
+
+    def _generate(self, key: Any, epoch: int, run: "EpochRun") -> float:
+        """Runs in a producer thread: make a shard in the cache without loading it (it waits
+        there, on disk, for its turn in the ``prefetch`` window); the seconds it took, or 0
+        when it was cached already."""
+        with self._res.throttle:
+            if run.cancelled:
+                raise LoaderClosed("epoch pass cancelled")
+            lane = threading.current_thread().name
+            t0 = self.stats.clock()
+            _, hit, seconds = self.source.ensure_file(key, epoch)
+            if hit:
+                return 0.0
+            self.stats.add_span(lane, "generate", t0, t0 + seconds, key)
+            return seconds
 
     def _make(self, key: Any, epoch: int, index: int, run: "EpochRun | None",
               prepare: Prepare | None) -> Shard:
@@ -537,33 +574,97 @@ class EpochRun:
         self.last_wait_s = 0.0
         self.waits = 0  # times a shard was asked for before it was produced
         self.max_pending: int | None = None
+        self._lookahead: collections.deque = collections.deque()  # (key, index) drawn early
+        self._ahead: dict[int, cf.Future] = {}  # index -> generation into the cache
+        # the consumer fills the window; producers finishing a shard start generations ahead
+        self._lock = threading.RLock()
+
+    def _next_key(self) -> Any:
+        """The next (key, index) in order, or _END; a failing key iterator ends the keys."""
+        if self._lookahead:
+            return self._lookahead.popleft()
+        return self._draw_key()
+
+    def _draw_key(self) -> Any:
+        """The key after those drawn already (and looked ahead at), with its index, or _END."""
+        if self.key_error is not None:
+            return _END
+        try:
+            key = next(self.keys, _END)
+        except Exception as exc:  # the keys' own iterator failed: the shards drawn come first
+            add_note(exc, f"gluon_stream: raised by the keys of epoch {self.epoch} after "
+                          f"{self.index + len(self._lookahead)} key(s); the shards of those "
+                          "were delivered first")
+            self.key_error = exc
+            return _END
+        if key is _END:
+            return _END
+        return key, self.index + len(self._lookahead)
+
+    def generated(self, index: int) -> float:
+        """Wait for shard ``index``'s generation ahead, if one runs: its seconds (0: none
+        ran; a generation not yet started is dropped and the shard made as usual). Its
+        failure is raised here, where the shard's error policy applies."""
+        fut = self._ahead.pop(index, None)  # one pop: atomic, no lock to wait for
+        if fut is None or fut.cancel():
+            return 0.0
+        return fut.result()
+
+    def _generate_ahead(self, _: Any = None) -> None:
+        """Keep idle producers generating the shards after the window into the cache (called
+        when the window is filled and whenever a producer finishes)."""
+        stream = self.stream
+        if not stream.generate_ahead or self.cancelled or stream.closed:
+            return
+        with self._lock:
+            self._start_generation()
+
+    def _start_generation(self) -> None:
+        stream = self.stream
+        depth = stream.generate_ahead
+        throttle = stream._res.throttle
+        if throttle.running + self._queued() >= throttle.active:
+            return  # no producer is idle: the window's shards come first
+        while len(self._lookahead) < depth:
+            nxt = self._draw_key()
+            if nxt is _END:
+                break
+            self._lookahead.append(nxt)
+        for key, index in self._lookahead:
+            if index not in self._ahead and index not in self._preskipped:
+                fut = stream._res.executor.submit(stream._generate, key, self.epoch, self)
+                self._ahead[index] = fut
+                fut.add_done_callback(self._generate_ahead)
+                return  # one at a time: the next call sees whether a producer is still idle
 
     def _submit(self, key: Any, index: int) -> cf.Future:
-        return self.stream._res.executor.submit(self.stream._produce, key, self.epoch, index,
-                                                self, self.prepare)
+        fut = self.stream._res.executor.submit(self.stream._produce, key, self.epoch, index,
+                                               self, self.prepare)
+        if self.stream.generate_ahead:
+            fut.add_done_callback(self._generate_ahead)
+        return fut
 
     def _fill(self, depth: int, ahead: bool = True) -> None:
+        with self._lock:
+            self._fill_locked(depth, ahead)
+
+    def _fill_locked(self, depth: int, ahead: bool) -> None:
         if self.max_pending is not None:
             depth = min(depth, max(1, self.max_pending))
         while len(self.pending) < depth and not self.exhausted:
-            try:
-                key = next(self.keys, _END)
-            except Exception as exc:  # the keys' own iterator failed: the shards drawn come first
-                add_note(exc, f"gluon_stream: raised by the keys of epoch {self.epoch} after "
-                              f"{self.index} key(s); the shards of those were delivered first")
-                self.key_error, self.exhausted = exc, True
-                break
-            if key is _END:
+            nxt = self._next_key()
+            if nxt is _END:
                 self.exhausted = True
                 break
-            if self.index in self._preskipped:  # failed before the resume: skipped again
+            key, index = nxt
+            self.index = index + 1  # first: a callback of the submit below draws the next key
+            if index in self._preskipped:  # failed before the resume: skipped again
                 logger.debug("shard %r (epoch %d) stays skipped, as before the resume", key,
                              self.epoch)
                 self.skipped += 1
-                self.skipped_at.append(self.index)
+                self.skipped_at.append(index)
             else:
-                self.pending.append((key, self.index, self._submit(key, self.index)))
-            self.index += 1
+                self.pending.append((key, index, self._submit(key, index)))
         last = self.stream.num_epochs is not None and self.epoch + 1 >= self.stream.num_epochs
         if ahead and self.exhausted and self.finite and len(self.pending) < depth \
                 and not self.cancelled and not last:
@@ -576,6 +677,8 @@ class EpochRun:
                              type(exc).__name__, exc)
                 return
             nxt._fill(depth - len(self.pending), ahead=False)
+        if ahead:
+            self._generate_ahead()
 
     def start(self) -> None:
         """Submit the first window of shards now (otherwise the first ``next_shard`` does)."""
@@ -598,9 +701,16 @@ class EpochRun:
         fut = self.pending[0][2]
         return fut.done() and not fut.cancelled() and fut.exception() is None
 
+    def _queued(self) -> int:
+        """Shards of this pass submitted to the producers and not started yet."""
+        with self._lock:
+            futures = [fut for _, _, fut in self.pending] + list(self._ahead.values())
+        return sum(1 for fut in futures if not (fut.running() or fut.done()))
+
     def ready_ahead(self) -> int:
         """Shards ahead of the consumer that are already produced."""
-        return sum(1 for _, _, fut in self.pending if fut.done())
+        with self._lock:
+            return sum(1 for _, _, fut in self.pending if fut.done())
 
     def next_shard(self) -> Shard | None:
         """The next shard in order, or None at the end of the epoch."""
@@ -615,7 +725,8 @@ class EpochRun:
                     error, self.key_error = self.key_error, None
                     raise error
                 return None
-            key, index, fut = self.pending.popleft()
+            with self._lock:
+                key, index, fut = self.pending.popleft()
             self._fill(stream.prefetch)
             shard = self._wait(key, index, fut)
             if shard is not None:
@@ -678,7 +789,7 @@ class EpochRun:
         # TimeoutError, so a shard that failed with ShardTimeout would look 'not ready yet'
         if not fut.done():
             self.waits += 1
-            self.stream._waited(key)
+            self.stream._waited(key, self._queued() + (not fut.running()))
         while not cf.wait([fut], timeout=WAIT_SLICE_S).done:
             self.stream.check_open()
             if self.cancelled:
@@ -688,6 +799,10 @@ class EpochRun:
     def cancel(self) -> None:
         """Drop queued work; running producers finish (populating caches) and are ignored."""
         self.cancelled = True
-        while self.pending:
-            _, _, fut = self.pending.popleft()
-            fut.cancel()
+        with self._lock:
+            while self.pending:
+                _, _, fut = self.pending.popleft()
+                fut.cancel()
+            for fut in self._ahead.values():
+                fut.cancel()
+            self._ahead.clear()

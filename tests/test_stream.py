@@ -132,3 +132,75 @@ def test_fixed_producers_and_bad_values():
     for bad in (0, True, "many", 1.5):
         with pytest.raises(ValueError, match="producers must be a positive integer"):
             gs.ShardStream(gs.FunctionSource(range(2), lambda k: np.zeros(2)), producers=bad)
+
+
+# -- stragglers: idle producers generate ahead into the cache (issue 19, item 1) -------------
+def _straggling_source(tmp_path, made, slow_key=1, waits_for=4):
+    """Shard ``slow_key`` is generated only once shard ``waits_for`` exists: a straggler that
+    only a producer generating beyond the prefetch window can get past."""
+    import threading
+    done = {k: threading.Event() for k in range(8)}
+
+    def fn(key):
+        if key == slow_key:
+            assert done[waits_for].wait(20), f"shard {waits_for} was not generated ahead"
+        made.append(key)
+        done[key].set()
+        return np.arange(5, dtype=np.int64) + 100 * key
+
+    return gs.FunctionSource(range(8), fn, cache_dir=tmp_path / "cache")
+
+
+def test_idle_producers_generate_past_a_straggler_into_the_cache(tmp_path):
+    made: list = []
+    with gs.ShardStream(_straggling_source(tmp_path, made), prefetch=1, producers=2) as stream:
+        assert stream.generate_ahead == 4
+        shards = [s.key for s in stream]
+    assert shards == list(range(8))  # delivered in order ...
+    assert made.index(4) < made.index(1)  # ... though shard 4 was made before the straggler
+
+
+def test_generate_ahead_keeps_batches_and_resumes_exactly(tmp_path):
+    def make(ahead, sub):
+        src = gs.FunctionSource(range(8), lambda k: np.arange(3 + k, dtype=np.int64) + 100 * k,
+                                cache_dir=tmp_path / sub)
+        return gs.StreamLoader(gs.ShardStream(src, prefetch=1, producers=2, shuffle=True,
+                                              seed=4, generate_ahead=ahead), batch_size=4)
+    with make(0, "a") as plain:
+        reference = [b.asnumpy().tolist() for b in plain]
+    with make(5, "b") as ahead:
+        assert [b.asnumpy().tolist() for b in ahead] == reference
+    with make(5, "c") as first:
+        batches = iter(first)
+        head = [next(batches).asnumpy().tolist() for _ in range(3)]
+        state = first.state_dict()
+    with make(5, "c") as second:
+        second.load_state_dict(state)
+        assert head + [b.asnumpy().tolist() for b in second] == reference
+
+
+def test_a_failure_met_ahead_follows_the_shards_error_policy(tmp_path):
+    calls: list = []
+
+    def fn(key):
+        calls.append(key)
+        if key == 3 and calls.count(3) == 1:
+            raise ValueError("shard 3 fails once")
+        return np.arange(2, dtype=np.int64) + 100 * key
+
+    src = gs.FunctionSource(range(6), fn, cache_dir=tmp_path / "cache")
+    with gs.ShardStream(src, prefetch=1, producers=2, on_error=("retry", 1)) as stream:
+        assert [s.key for s in stream] == list(range(6))
+    assert calls.count(3) == 2  # generated once ahead (failed), once more by the retry
+    src = gs.FunctionSource(range(6), fn, cache_dir=tmp_path / "other")
+    calls.clear()
+    with gs.ShardStream(src, prefetch=1, producers=2) as stream:
+        with pytest.raises(gs.ShardError, match="shard 3 fails once"):
+            list(stream)
+
+
+def test_generate_ahead_needs_a_cache():
+    src = gs.FunctionSource(range(3), lambda k: np.zeros(2))
+    assert gs.ShardStream(src).generate_ahead == 0
+    with pytest.raises(ValueError, match="needs a source with a cache_dir"):
+        gs.ShardStream(src, generate_ahead=3)
