@@ -59,9 +59,10 @@ BOTTLENECKS = ("generation", "load", "transform", "workers", "placement", "none"
 WAIT_THRESHOLD = 0.10  # below this share of wall time waiting, training is the bottleneck
 TRAINING = "nothing: training is the bottleneck"
 _PHASES = {"generation": "generate_s", "load": "load_s", "transform": "transform_s"}
-_CHEAPER = {"generation": "cache the shards (cache_dir=) or make the generator cheaper",
-            "load": "keep shards on a local disk, uncompressed",
-            "transform": "move work out of transform, or vectorise it"}
+_CHEAPER = {"generation": "make generation cheaper",
+            "load": "make loading cheaper (shards on a local disk, uncompressed)",
+            "transform": "make transform cheaper (vectorised, or less of it per shard)"}
+_CACHE = " or cache the shards for the next epochs (cache_dir=)"
 
 
 @dataclass(frozen=True)
@@ -230,7 +231,8 @@ def diagnose(epochs: Sequence["EpochRecord"], shards: Iterable["ShardRecord"],
         return Diagnosis("none", _overhead_advice(other, batches, settings), ev)
     if cause == "shards":
         phase = max(_PHASES, key=lambda p: per[_PHASES[p]]) if n else "generation"
-        return Diagnosis(phase, _producers_advice(phase, per, loop_per_shard, producers,
+        cached = any(s.cache_hit for s in made)
+        return Diagnosis(phase, _producers_advice(phase, per, loop_per_shard, producers, cached,
                                                   settings, cores, ev), ev)
     if cause == "mix":
         ahead = max(settings.prefetch, settings.shuffle_window) + 1
@@ -249,7 +251,8 @@ def _less(value: float, left: float) -> tuple[float, float]:
 
 
 def _producers_advice(phase: str, per: dict[str, float], loop_per_shard: float, producers: int,
-                      settings: LoaderSettings, cores: int, ev: dict[str, float]) -> str:
+                      cached: bool, settings: LoaderSettings, cores: int,
+                      ev: dict[str, float]) -> str:
     production = sum(per.values())
     if not production or loop_per_shard <= 0:  # no shard record yet, or a loop that never ran
         needed = (producers or 1) + 1
@@ -261,15 +264,16 @@ def _producers_advice(phase: str, per: dict[str, float], loop_per_shard: float, 
     if settings.remote:
         return (f"more workers behind the producers= executor: about {needed} shards made at "
                 f"once keep up ({why})")
+    cheaper = _CHEAPER[phase] + (_CACHE if phase == "generation" and not cached else "")
     short = (f"; {needed} producers would keep up but this process may use {cores} cores: "
-             f"{_CHEAPER[phase]}" if needed > cores else "")
+             f"{cheaper}" if needed > cores else "")
     target = min(needed, cores)
     if target > producers or settings.auto_producers:
         count = max(target, producers)
         extra = f", prefetch={count}" if count > settings.prefetch else ""
         return f"producers={count}{extra} ({why}){short}"
     if needed > cores:
-        return f"{_CHEAPER[phase]} ({why}; {needed} producers would keep up, {cores} cores)"
+        return f"{cheaper} ({why}; {needed} producers would keep up, {cores} cores)"
     return (f"prefetch={settings.prefetch + 1} ({producers} producers keep up on average, "
             f"{needed} needed: more shards ahead absorb the slow ones)")
 

@@ -60,7 +60,12 @@ def test_producers_are_bounded_by_the_cores_and_the_advice_says_what_else_helps(
     assert d.advice.startswith("producers=2 (") and "3 producers would keep up" in d.advice
     assert "cache_dir=" in d.advice and d.evidence["cores"] == 2
     at_cap = made(*shard_bound(generate=1.0), settings=dict(producers=2), cores=2)
-    assert at_cap.advice.startswith("cache the shards (cache_dir=)"), at_cap.advice
+    assert at_cap.advice.startswith("make generation cheaper or cache the shards for the next "
+                                    "epochs (cache_dir=) ("), at_cap.advice
+    epochs, records = shard_bound(generate=1.0)
+    records[0].cache_hit = True  # already cached
+    cached = made(epochs, records, settings=dict(producers=2), cores=2)
+    assert cached.advice.startswith("make generation cheaper ("), cached.advice
 
 
 def test_enough_producers_on_average_means_a_deeper_prefetch():
