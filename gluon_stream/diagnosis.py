@@ -15,8 +15,9 @@ The rule, over every pass recorded (ended ones and the one in progress):
 2. **Why**: the wait is split by cause as the epoch records measure it: waiting for shards to
    be produced (``shard_wait_s``), for a shuffle window's unit to be gathered
    (``mix_wait_s``), for per-sample workers (``worker_wait_s``), and placing batches on
-   ``ctx`` (``place_s``); the rest is the loader's own per-batch work. The largest cause
-   decides:
+   ``ctx`` (``place_s``); the rest is the loader's own per-batch work. (The causes are timed
+   apart; should they add up to more than the wait, they are scaled down to it.) The largest
+   cause decides:
 
    * shards: the production phase that takes longest per shard (mean ``generate_s``,
      ``load_s``, ``transform_s`` of the shard records) names it: ``'generation'``, ``'load'``
@@ -200,6 +201,10 @@ def diagnose(epochs: Sequence["EpochRecord"], shards: Iterable["ShardRecord"],
     mix_w, left = _less(mix_w, left)
     worker_w, left = _less(worker_w, left)
     place, left = _less(place, left)
+    parts = shard_w + mix_w + worker_w + place
+    if parts > stall > 0:  # parts of the wait, timed apart: never more than all of it
+        scale = stall / parts
+        shard_w, mix_w, worker_w, place = (x * scale for x in (shard_w, mix_w, worker_w, place))
 
     made = [s for s in shards if s.error is None]
     n = len(made)

@@ -148,6 +148,16 @@ def test_the_first_batch_start_up_is_left_out():
     assert d.evidence["wait_share"] == pytest.approx(0.02)
 
 
+def test_causes_never_add_up_to_more_than_the_wait():
+    epoch = EpochRecord(0, batches=100, samples=1000, wall_s=10.0, stall_s=4.0, shard_wait_s=6.0,
+                        place_s=2.0, first_batch_s=0.0)
+    d = made([epoch], shards(generate=1.0), settings=dict(producers=1))
+    assert d.evidence["shard_wait_share"] == pytest.approx(0.3)  # 6 of 8, scaled to 4
+    assert d.evidence["place_share"] == pytest.approx(0.1)
+    assert d.evidence["other_wait_share"] == 0.0
+    assert d.evidence["loop_s_per_shard"] == pytest.approx(0.7)  # (10 - 3) s / 1000 x 100
+
+
 def test_nothing_to_judge_before_a_batch():
     assert made([]).advice.startswith("nothing yet")
     assert made([EpochRecord(0)]).bottleneck == "none"
