@@ -206,11 +206,19 @@ def diagnose(epochs: Sequence["EpochRecord"], shards: Iterable["ShardRecord"],
         scale = stall / parts
         shard_w, mix_w, worker_w, place = (x * scale for x in (shard_w, mix_w, worker_w, place))
 
-    made = [s for s in shards if s.error is None]
-    n = len(made)
-    per = {k: (sum(getattr(s, k) for s in made) / n if n else 0.0)
-           for k in ("generate_s", "load_s", "transform_s")}
-    samples_per_shard = sum(s.samples for s in made) / n if n else 0.0
+    n = made_samples = 0
+    generate = load = transform = 0.0
+    cached = False
+    for s in shards:
+        if s.error is None:  # a skipped shard was not made
+            n += 1
+            made_samples += s.samples
+            generate, load, transform = (generate + s.generate_s, load + s.load_s,
+                                         transform + s.transform_s)
+            cached = cached or s.cache_hit
+    per = {"generate_s": generate / n, "load_s": load / n, "transform_s": transform / n} \
+        if n else dict.fromkeys(("generate_s", "load_s", "transform_s"), 0.0)
+    samples_per_shard = made_samples / n if n else 0.0
     loop_per_shard = ((wall - shard_w) / samples * samples_per_shard if samples else 0.0)
     producers = producers or settings.producers or 0
     ev: dict[str, float] = {"wall_s": wall, "startup_s": startup, "batches": float(batches),
@@ -236,7 +244,6 @@ def diagnose(epochs: Sequence["EpochRecord"], shards: Iterable["ShardRecord"],
         return Diagnosis("none", _overhead_advice(other, batches, settings), ev)
     if cause == "shards":
         phase = max(_PHASES, key=lambda p: per[_PHASES[p]]) if n else "generation"
-        cached = any(s.cache_hit for s in made)
         return Diagnosis(phase, _producers_advice(phase, per, loop_per_shard, producers, cached,
                                                   settings, cores, ev), ev)
     if cause == "mix":
