@@ -103,7 +103,7 @@ def test_workers_needed_from_the_share_of_time_the_loop_waits_for_them(workers, 
     assert d.bottleneck == "workers" and d.advice.startswith(f"num_workers={want} ("), d.advice
     assert d.evidence["workers_needed"] == want
     capped = made([epoch], settings=dict(per_sample=True, num_workers=workers), cores=3)
-    assert capped.advice.startswith(f"num_workers=3 (") and f"{want} would keep up" in \
+    assert capped.advice.startswith("num_workers=3 (") and f"{want} would keep up" in \
         capped.advice
 
 
