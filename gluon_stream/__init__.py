@@ -9,6 +9,7 @@ Importing gluon_stream does not import MXNet: that happens on first use (a loade
 """
 from ._mx import require_mxnet as import_mxnet
 from ._version import __version__
+from .diagnosis import Diagnosis
 from .errors import (BatchTimeout, CorruptShard, LoaderClosed, SchemaMismatch, ShardError,
                      ShardTimeout, StreamError, UnsafeShard, WorkerDied)
 from .errors import CommandNotFound, InvalidState, StaleShard, UnbatchableShard, UnsafeKey
@@ -23,6 +24,7 @@ __all__ = [
     "CommandNotFound",
     "CommandSource",
     "CorruptShard",
+    "Diagnosis",
     "FileSource",
     "FunctionSource",
     "InvalidState",

@@ -226,6 +226,15 @@ class StreamLoader(Closing):
                                       self.even_batches, progress,
                                       None if self.shards_on_ctx else self.ctx)
         self._res = _LoaderResources(stream, owns, path)
+        # issue 21 item 5: the settings stats.diagnose() bases its advice on (one call)
+        stream.stats.describe(
+            producers=stream.producers, auto_producers=stream.auto_producers,
+            remote=isinstance(producers, Executor), prefetch=stream.prefetch,
+            num_workers=self.num_workers, thread_pool=bool(thread_pool),
+            per_sample=not self.vectorised, shards_on_ctx=self.shards_on_ctx,
+            contexts=len(self.ctx) if isinstance(self.ctx, list) else int(self.ctx is not None),
+            pin_memory=bool(pin_memory), shuffle_window=self.shuffle_window,
+            batch_size=self.batch_size)
         self._finalizer = weakref.finalize(self, self._res.close)
         track(self, self._finalizer)
 

@@ -72,6 +72,21 @@ def check_monitoring(out: str, cwd: Path) -> None:
     assert json.loads((cwd / "trace.json").read_text())["traceEvents"]
 
 
+def check_batches(out: str, cwd: Path) -> None:
+    assert "keep [[8, 8, 8, 8, 7], [8, 8, 8, 8, 7]]" in out
+    assert "discard [[8, 8, 8, 8], [8, 8, 8, 8]]" in out
+    assert "rollover [[8, 8, 8, 8], [8, 8, 8, 8, 8]]" in out
+
+
+def check_errors(out: str, cwd: Path) -> None:
+    assert "a batch of key 0.0\nShardError, key 1: " in out
+    assert "[0.0, 2.0] skipped: 1" in out
+
+
+def check_usage(out: str, cwd: Path) -> None:
+    assert "[6, 6]" in out
+
+
 def check_resume(out: str, cwd: Path) -> None:
     assert re.search(r"resumed after 3 batches: the same \d+ batches followed", out), out
 
@@ -79,6 +94,9 @@ def check_resume(out: str, cwd: Path) -> None:
 # What some pages' blocks print or write, beyond running without an error.
 CHECKS: dict[str, Callable[[str, Path], None]] = {
     "README.md": check_readme,
+    "docs/batches.md": check_batches,
+    "docs/errors.md": check_errors,
+    "docs/usage.md": check_usage,
     "docs/module-api.md": check_module_api,
     "docs/monitoring.md": check_monitoring,
     "docs/resume.md": check_resume,

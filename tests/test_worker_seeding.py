@@ -159,3 +159,48 @@ def test_threads_do_not_reseed_the_global_rngs():
         first, first_again = epoch_rows(ld, 0), epoch_rows(ld, 0)
     samples = [r for run in (first, first_again) for b in run for r in b]
     assert len({r[1] for r in samples}) == len(samples)  # no repeats, and not reproducible
+
+
+
+class Jitter(mx.gluon.HybridBlock):
+    """Draws from MXNet's RNG inside a cached graph (a hybridized block)."""
+
+    def hybrid_forward(self, F, x):
+        return x + F.random.uniform(shape=(1,))
+
+
+def mxnet_draw(how):
+    """A draw from MXNet's RNG through one way of running operators only (``nd.array`` and
+    ``asnumpy`` run none), made before the workers are forked."""
+    if how == "cached graph":
+        block = Jitter()
+        block.hybridize()
+        block(mx.nd.zeros((1,)))
+        return lambda: block(mx.nd.array(np.zeros(1, np.float32))).asnumpy()[0]
+    if how == "executor":
+        exe = mx.sym.random.uniform(shape=(1,)).bind(mx.cpu(), {})
+        return lambda: exe.forward()[0].asnumpy()[0]
+    return lambda: mx.nd.random.uniform(shape=(1,)).asnumpy()[0]
+
+
+@pytest.mark.parametrize("how", ["cached graph", "executor", "imperative"])
+def test_mxnet_draws_are_seeded_per_batch_whichever_way_operators_run(how):
+    """MXNet's RNG takes the batch's seed just before the batch's first MXNet operator (lazily:
+    a numpy-only batch does not pay the reseed); here a third of the samples draw from it."""
+    from gluon_stream._mx import samples
+
+    draw = mxnet_draw(how)
+
+    def transform(ids, half):
+        value = draw() if int(ids) % 3 == 0 else np.float32(-1)
+        return ids, np.float64(value), np.int64(samples._LAZY[0])
+
+    runs = {}
+    for n in (1, 2):
+        with loader(transform=transform, num_workers=n) as ld:
+            runs[n] = [epoch_rows(ld, 0), epoch_rows(ld, 1)]
+    assert runs[1] == runs[2]
+    rows_ = [r for epoch in runs[2] for b in epoch for r in b]
+    assert {r[2] for r in rows_} == {1}  # the lazy seeding was in place in every worker
+    drawn = [r[1] for r in rows_ if r[1] != -1]
+    assert len(drawn) == len(set(drawn)) == sum(1 for r in rows_ if int(r[0]) % 3 == 0)

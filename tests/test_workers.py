@@ -16,6 +16,8 @@ import pytest
 
 import gluon_stream as gs
 from _helpers import JOIN_S, all_ids, batch_ids, id_shards
+from gluon_stream._mx import shm as shm_mod
+from gluon_stream._mx import workers as workers_mod
 
 pytestmark = pytest.mark.mxnet  # these tests use MXNet: warm its engine first
 
@@ -304,3 +306,87 @@ def test_batchify_outputs_of_any_shape_come_back_from_worker_processes():
     assert [b["count"] for b in batches] == [4, 4, 3]
     assert batches[0]["time_major"].shape == (3, 4) and batches[0]["big"].shape == (4, 20000)
     assert stats.samples == 11 and stats.batches == 3  # counted by the plan, not the batch
+
+
+# -- batches in the workers' slots --------------------------------------------------------------
+def test_a_batch_the_loop_still_holds_is_never_overwritten_and_slots_are_reused():
+    """Batches come back in shared-memory slots that the workers reuse once the loop dropped
+    the batch: a batch (or a slice of one) still referenced keeps its slot, whatever comes
+    after; dropped ones are recycled, so the slots stay few over many batches."""
+    with loader(sizes=[200] * 4, sample_transform=lambda ids, half: (ids, half),
+                num_workers=2) as ld:
+        workers = ld._path.workers
+        held, sliced, seen = [], [], []
+        for i, (ids, half) in enumerate(ld):
+            seen.append(ids.asnumpy().tolist())
+            if i % 20 == 0:
+                held.append((ids, seen[-1]))  # the batch itself
+            elif i % 20 == 10:
+                sliced.append((half[1:3], half.asnumpy()[1:3].tolist()))  # only a slice of it
+        mapped = len(workers._slots._maps)
+    assert sorted(i for b in seen for i in b) == all_ids([200] * 4)
+    assert all(ids.asnumpy().tolist() == want for ids, want in held)
+    assert all(part.asnumpy().tolist() == want for part, want in sliced)
+    # 200 batches: each worker's slots are its batches in flight, a few free ones, and the
+    # ones held above (10 batches, 10 slices)
+    assert mapped <= 2 * (workers_mod.PER_WORKER + shm_mod.KEEP_FREE + 2) + len(held) + len(sliced)
+
+
+def test_slots_are_unmapped_once_the_loader_is_closed_and_its_batches_are_gone():
+    with loader(sample_transform=lambda ids, half: (ids, half), num_workers=2) as ld:
+        batches = list(ld)
+        mapped = dict(ld._path.workers._slots._maps)
+    assert mapped and all(b[0].shape[0] for b in batches)
+    unmapped = [m.unmap for m in mapped.values()]
+    del mapped
+    assert all(u.alive for u in unmapped)  # the batches still hold their slots
+    del batches
+    assert all(not u.alive for u in unmapped)
+
+
+def _ids(samples):
+    return np.array([s[0] for s in samples])
+
+
+BATCHIFIES = {  # batchify_fn -> what the batch must look like
+    "one NDArray": (lambda s: mx.nd.array(_ids(s), dtype="int64"), mx.nd.NDArray),
+    "a tuple": (lambda s: (mx.nd.array(_ids(s), dtype="int64"), np.zeros((len(s), 20000))),
+                tuple),
+    "a list with a number": (lambda s: [mx.nd.array(_ids(s), dtype="int64"), len(s)], list),
+    "a bool mask": (lambda s: [mx.nd.array(_ids(s), dtype="int64"), _ids(s) % 2 == 0], list),
+}
+
+
+@pytest.mark.parametrize("name", BATCHIFIES)
+def test_batches_keep_their_structure_and_types_through_the_slots(name):
+    batchify, kind = BATCHIFIES[name]
+    with loader(sizes=[5, 6], batchify_fn=batchify, num_workers=2) as ld:
+        batches = list(ld)
+    assert all(type(b) is kind for b in batches)
+    first = [b if kind is mx.nd.NDArray else b[0] for b in batches]
+    assert sorted(int(i) for b in first for i in b.asnumpy()) == all_ids([5, 6])
+    if name == "a tuple":
+        assert all(type(b[1]) is np.ndarray and b[1].shape == (b[0].shape[0], 20000)
+                   for b in batches)
+    if name == "a bool mask":
+        assert all(b[1].dtype == np.bool_ and list(b[1]) == [i % 2 == 0 for i in
+                                                           b[0].asnumpy()] for b in batches)
+
+
+def varied(ids, half):
+    """Fields of every kind per-sample code returns: numpy rows and scalars, Python numbers."""
+    return (ids, float(half), int(ids) % 7, np.full((2, 3), ids, np.float16),
+            np.full(4, ids % 256, np.uint8), np.float32(half))
+
+
+def test_workers_batchify_as_gluons_default_does_inline():
+    """In a worker the default batchify stacks straight into the slot: same values, dtypes
+    and shapes as Gluon's default_batchify_fn in the loop's own thread."""
+    def run(num_workers):
+        with loader(sample_transform=varied, num_workers=num_workers) as ld:
+            return [[(a.dtype, a.shape, a.asnumpy().tolist()) for a in b] for b in ld]
+
+    inline, in_workers = run(0), run(2)
+    assert in_workers == inline
+    assert [d for d, _, _ in inline[0]] == [np.int64, np.float64, np.int64, np.float16, np.uint8,
+                                            np.float32]

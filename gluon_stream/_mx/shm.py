@@ -5,15 +5,24 @@ file where that is missing): the loader copies a shard's rows, in their shuffled
 one such file in a producer thread, and passes its file descriptor over a Unix socket.
 Nothing is ever named in ``/dev/shm``, so a crash cannot leave a file behind.
 
-Batches come back the way MXNet's own DataLoader sends them: NDArrays in MXNet's
-``cpu_shared`` memory, whose descriptors travel with the message, so the loader wraps them
-without a copy. numpy arrays in a batch travel the same way through a memory file; small ones
-and everything else are pickled.
+Batches come back through slots: memory files a worker writes batches into, each mapped once
+by the loader (its descriptor travels with the first batch written into it) and reused for
+the worker's later batches once the loader has dropped the batch it held. The loader wraps a
+slot's arrays as NDArrays without a copy, so a batch costs the loader's process a short message
+and two small wrappers, not a memory file made, passed, mapped and unmapped per batch as
+MXNet's ``cpu_shared`` arrays are (see :class:`SlotTable` for why a batch held by the training
+loop is never overwritten). The worker stacks samples straight into the slot
+(:func:`stack_batchify`). Large numpy arrays in a batch travel in the slot too; small ones and
+everything else are pickled.
 """
 from __future__ import annotations
 
+import collections
+import ctypes
+import functools
 import glob
 import io
+import itertools
 import logging
 import mmap
 import os
@@ -27,10 +36,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import require_mxnet
-from .arrays import row_chunks, row_index
+from .arrays import ZERO_COPY_DTYPES, copy_into, row_chunks, row_index, wrap_numpy
 
-__all__ = ["SharedArrays", "attach", "dump_batch", "load_batch", "recv_fds", "remove_worker_shm",
-           "send_fds"]
+__all__ = ["KEEP_FREE", "SharedArrays", "SlotTable", "SlotWriter", "Stacked", "attach",
+           "recv_fds", "remove_worker_shm", "send_fds", "stack_batchify"]
 
 logger = logging.getLogger(__name__)
 
@@ -170,71 +179,314 @@ def _close_fd(fd: int) -> None:
         logger.debug("fd %d already closed: %s", fd, exc)
 
 
-# -- batches back from a worker ------------------------------------------------------------------
-class _BatchPickler(pickle.Pickler):
-    """Pickles a batch, taking its arrays out of band: NDArrays as cpu_shared descriptors,
-    large numpy arrays as memory files."""
+# -- mappings that hold no file descriptor ------------------------------------------------------
+_MAP_FAILED = ctypes.c_void_p(-1).value
 
-    def __init__(self, file: io.BytesIO) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.fds: list[int] = []
-        self.keep: list[Any] = []  # the worker's own references, alive until the fds are sent
-        self._nd = require_mxnet().nd
 
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, self._nd.NDArray):
-            mx = require_mxnet()
-            shared = obj if obj.context.device_type == "cpu_shared" \
-                else obj.as_in_context(mx.Context("cpu_shared", 0))
-            shared.wait_to_read()
-            pid, fd, shape, dtype = shared._to_shared_mem()
-            self.keep.append(shared)
-            self.fds.append(fd)
-            return ("nd", len(self.fds) - 1, pid, tuple(shape), np.dtype(dtype).str)
+@functools.lru_cache(maxsize=None)
+def _libc() -> Any:
+    """The C library's mmap, munmap and madvise (POSIX), typed."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+class _Mapping:
+    """A shared mapping of a memory file that keeps no file descriptor (Python's ``mmap`` keeps a
+    duplicate: one per batch held would run into the fd limit), unmapped when garbage collected.
+
+    ``inherit=False``: children forked later do not get it (``MADV_DONTFORK``), so a worker
+    forked to replace a dead one does not keep the loader's batches' memory alive.
+    """
+
+    def __init__(self, fd: int, size: int, inherit: bool = True) -> None:
+        addr = _libc().mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap of {size} bytes of shared memory failed: "
+                               f"{os.strerror(err)}")
+        dontfork = getattr(mmap, "MADV_DONTFORK", None)
+        if not inherit and dontfork is not None:
+            _libc().madvise(addr, size, dontfork)
+        self.addr, self.size = addr, size
+        self.unmap = weakref.finalize(self, _munmap, os.getpid(), addr, size)
+        self.unmap.atexit = False  # batches may still be read at exit; the OS unmaps it then
+
+    def region(self) -> Any:
+        """A buffer over the whole mapping that keeps the mapping alive while it lives."""
+        region = (ctypes.c_char * self.size).from_address(self.addr)
+        region.mapping = self  # type: ignore[attr-defined]
+        return region
+
+
+def _munmap(owner: int, addr: int, size: int) -> None:
+    if os.getpid() == owner:  # a fork's copy of the object does not own the mapping
+        _libc().munmap(addr, size)
+
+
+# -- batches back from a worker: slots ------------------------------------------------------------
+KEEP_FREE = 2  # free slots a worker keeps for its next batches; more are retired (memory returned)
+
+
+class Stacked:
+    """One field of a batch's samples, to become an NDArray stacked straight into the batch's
+    slot: what ``default_batchify_fn`` makes with ``nd.array(np.asarray(samples))``, with one
+    copy instead of two and no MXNet allocation in the worker."""
+
+    __slots__ = ("items", "array", "shape", "dtype")
+
+    def __init__(self, items: Sequence[Any]) -> None:
+        first = items[0]
+        kind = type(first)
+        if issubclass(kind, (np.ndarray, np.generic)) and all(
+                type(x) is kind and x.shape == first.shape and x.dtype == first.dtype
+                for x in items):
+            self.items, self.array = items, None
+            self.shape, self.dtype = (len(items),) + tuple(first.shape), first.dtype
+        else:  # mixed types, Python numbers: numpy decides the dtype, as for Gluon's default
+            self.items, self.array = (), np.asarray(items)
+            self.shape, self.dtype = self.array.shape, self.array.dtype
+
+    def write(self, out: np.ndarray) -> None:
+        # one shape and dtype: what np.stack makes, in half its time (a third for scalars)
+        out[...] = self.items if self.array is None else self.array
+
+
+def stack_batchify(data: Sequence[Any]) -> Any:
+    """Gluon's ``default_batchify_fn`` for a worker process: numpy samples become
+    :class:`Stacked` fields (NDArrays once in the loader's process), NDArray samples are
+    stacked by MXNet; either way the batch travels through the worker's slots."""
+    first = data[0]
+    nd = require_mxnet().nd
+    if isinstance(first, nd.NDArray):
+        return nd.stack(*data)
+    if isinstance(first, tuple):
+        return [stack_batchify(field) for field in zip(*data)]
+    stacked = Stacked(data)
+    if stacked.dtype not in ZERO_COPY_DTYPES:  # Gluon's own result (or its error), made here
+        array = np.asarray(data) if stacked.array is None else stacked.array
+        return nd.array(array, dtype=array.dtype)
+    return stacked
+
+
+class _Layout:
+    """Where a batch's arrays go in its slot: NDArrays and stacked fields (back as NDArrays),
+    large numpy arrays (back as numpy arrays), each at its offset."""
+
+    def __init__(self) -> None:
+        self.leaves: list[tuple[Any, int, np.dtype, tuple]] = []
+        self.nbytes = 0
+        self._ndarray = require_mxnet().nd.NDArray
+
+    def kind(self, obj: Any) -> tuple[bool, np.dtype, tuple] | None:
+        """(back as an NDArray, dtype, shape) of an array that goes in the slot, else None."""
+        if isinstance(obj, Stacked):
+            return True, obj.dtype, obj.shape
+        if isinstance(obj, self._ndarray) and obj.stype == "default":
+            return True, np.dtype(obj.dtype), tuple(obj.shape)
         if isinstance(obj, np.ndarray) and obj.nbytes >= INLINE_BYTES and not obj.dtype.hasobject:
-            shared = SharedArrays.copy_of([obj[np.newaxis]])
-            self.keep.append(shared)
-            self.fds.append(shared.fd)
-            return ("np", len(self.fds) - 1, obj.shape, obj.dtype.str)
+            return False, obj.dtype, obj.shape
         return None
 
+    def place(self, obj: Any, kind: tuple[bool, np.dtype, tuple]) -> tuple:
+        """Lay ``obj`` out after the arrays placed so far; its reference in the payload."""
+        as_nd, dtype, shape = kind
+        offset = self.nbytes
+        self.nbytes += -(-_nbytes(dtype, shape) // _ALIGN) * _ALIGN
+        self.leaves.append((obj, offset, dtype, shape))
+        return offset, dtype, shape, as_nd
 
-def dump_batch(batch: Any) -> tuple[bytes, list[int], list[Any]]:
-    """(payload, file descriptors to send with it, objects to keep alive until they are sent)."""
-    buf = io.BytesIO()
-    pickler = _BatchPickler(buf)
-    pickler.dump(batch)
-    return buf.getvalue(), pickler.fds, pickler.keep
+    def payload(self, batch: Any) -> Any:
+        """The batch with its arrays replaced by references: ``(list or tuple or None,
+        references)`` for an array or a plain list/tuple of arrays (Gluon's batches: no pickling
+        of its own), else pickled bytes."""
+        items = batch if type(batch) in (list, tuple) else [batch]
+        kinds = [self.kind(item) for item in items]
+        if all(kinds):
+            refs = [self.place(item, k) for item, k in zip(items, kinds)]  # type: ignore[arg-type]
+            return (type(batch) if items is batch else None), refs
+        buf = io.BytesIO()
+        _SlotPickler(buf, self).dump(batch)
+        return buf.getvalue()
 
 
-class _BatchUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, fds: Sequence[int]) -> None:
+class _SlotPickler(pickle.Pickler):
+    """Pickles a batch whose arrays are laid out in a slot (see :class:`_Layout`)."""
+
+    def __init__(self, file: io.BytesIO, layout: _Layout) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.layout = layout
+
+    def persistent_id(self, obj: Any) -> Any:
+        kind = self.layout.kind(obj)
+        return None if kind is None else self.layout.place(obj, kind)
+
+
+def _view(region: Any, offset: int, dtype: np.dtype, shape: tuple) -> np.ndarray:
+    count = int(np.prod(shape, dtype=np.int64))
+    if not count:
+        return np.empty(shape, dtype)
+    return np.frombuffer(region, dtype, count, offset).reshape(shape)
+
+
+class SlotWriter:
+    """A worker's side of the slots: batches are written into shared memory files that the
+    loader maps once each (see :class:`SlotTable`), and reused once the loader says so."""
+
+    def __init__(self, keep_free: int = KEEP_FREE) -> None:
+        self.keep_free = keep_free
+        self._slots: dict[int, _Mapping] = {}
+        self._free: set[int] = set()
+        self._retired: list[int] = []
+        self._ids = itertools.count()
+
+    def release(self, slots: Sequence[int]) -> None:
+        """The loader dropped these slots' batches: reuse them (keeping ``keep_free`` at most)."""
+        self._free.update(s for s in slots if s in self._slots)
+        while len(self._free) > self.keep_free:
+            self._retire(min(self._free, key=lambda s: self._slots[s].size))
+
+    def _retire(self, slot: int) -> None:
+        self._free.discard(slot)
+        self._slots.pop(slot).unmap()
+        self._retired.append(slot)
+
+    def write(self, batch: Any) -> tuple[Any, int, int, list[int], int | None]:
+        """(payload, slot, size of a new slot or 0, slots retired since the last write, the new
+        slot's fd to send, or None). The fd is the caller's to close once sent."""
+        layout = _Layout()
+        payload = layout.payload(batch)
+        slot, fd = (self._acquire(layout.nbytes) if layout.leaves else (-1, None))
+        if slot >= 0:
+            try:
+                region = self._slots[slot].region()
+                for value, offset, dtype, shape in layout.leaves:
+                    view = _view(region, offset, dtype, shape)
+                    if isinstance(value, Stacked):
+                        value.write(view)
+                    elif isinstance(value, np.ndarray):
+                        np.copyto(view, value)
+                    else:
+                        copy_into(view, value)
+            except BaseException:
+                if fd is not None:  # the loader never heard of it
+                    os.close(fd)
+                    self._slots.pop(slot).unmap()
+                else:
+                    self._free.add(slot)
+                raise
+        retired, self._retired = self._retired, []
+        size = self._slots[slot].size if fd is not None else 0
+        return payload, slot, size, retired, fd
+
+    def _acquire(self, nbytes: int) -> tuple[int, int | None]:
+        """(slot, fd if new): the smallest free slot that fits, or a new one."""
+        fits = [s for s in self._free if self._slots[s].size >= nbytes]
+        if fits:
+            slot = min(fits, key=lambda s: self._slots[s].size)
+            self._free.discard(slot)
+            return slot, None
+        for small in list(self._free):  # too small for batches of this size now
+            self._retire(small)
+        size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        fd = _memory_file(size)
+        try:
+            mapping = _Mapping(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        slot = next(self._ids)
+        self._slots[slot] = mapping
+        return slot, fd
+
+
+class SlotTable:
+    """The loader's side of the slots: every worker's slots, mapped once each.
+
+    A batch read from a slot is numpy views of it (NDArrays over them, without a copy, see
+    :func:`~gluon_stream._mx.arrays.wrap_numpy`) that all hold one buffer object; when the last
+    of them is gone (every array, slice and pending MXNet operation of the batch), the slot is
+    queued to go back to its worker with its next task. A batch is therefore never overwritten
+    while anything can still read it (MXNet's ``PrefetchingIter`` reuses its buffers).
+    """
+
+    def __init__(self) -> None:
+        self._maps: dict[tuple[int, int], _Mapping] = {}
+        self._freed: dict[int, collections.deque] = {}
+
+    def add_worker(self, owner: int) -> None:
+        self._freed[owner] = collections.deque()
+
+    def remove_worker(self, owner: int) -> None:
+        """A worker is gone: its slots are unmapped once the batches read from them are."""
+        self._freed.pop(owner, None)
+        for key in [k for k in self._maps if k[0] == owner]:
+            del self._maps[key]
+
+    def update(self, owner: int, slot: int, size: int, fd: int | None,
+               retired: Sequence[int]) -> None:
+        """Map a new slot (closing ``fd``) and forget the ones the worker retired."""
+        for old in retired:
+            self._maps.pop((owner, old), None)
+        if fd is not None:
+            try:
+                self._maps[(owner, slot)] = _Mapping(fd, size, inherit=False)
+            finally:
+                _close_fd(fd)
+
+    def load(self, owner: int, slot: int, payload: Any) -> Any:
+        """The batch a worker wrote into ``slot`` (-1: none; see :meth:`_Layout.payload`)."""
+        region = None
+        if slot >= 0:
+            region = self._maps[(owner, slot)].region()
+            weakref.finalize(region, self.give_back, owner, slot).atexit = False
+        if isinstance(payload, bytes):
+            return _SlotUnpickler(payload, region).load()
+        container, refs = payload
+        arrays = [_from_slot(region, ref) for ref in refs]
+        return arrays[0] if container is None else container(arrays)
+
+    def give_back(self, owner: int, slot: int) -> None:
+        """The slot's batch is gone (any thread: MXNet frees arrays in its engine's threads)."""
+        queue = self._freed.get(owner)
+        if queue is not None:
+            queue.append(slot)
+
+    def freed(self, owner: int) -> tuple[int, ...]:
+        """Slots of ``owner`` given back since the last call."""
+        queue = self._freed.get(owner)
+        out = []
+        while queue:
+            out.append(queue.popleft())
+        return tuple(out)
+
+    def close(self) -> None:
+        """Forget every slot (each is unmapped once the batches read from it are gone)."""
+        self._freed.clear()
+        self._maps.clear()
+
+
+class _SlotUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, region: Any) -> None:
         super().__init__(io.BytesIO(data))
-        self.fds = list(fds)
+        self.region = region
 
     def persistent_load(self, pid: Any) -> Any:
-        kind = pid[0]
-        if kind == "nd":
-            _, index, owner, shape, dtype = pid
-            nd = require_mxnet().nd
-            fd, self.fds[index] = self.fds[index], -1
-            return nd.NDArray(nd.ndarray._new_from_shared_mem(owner, fd, shape, np.dtype(dtype)))
-        if kind == "np":
-            _, index, shape, dtype = pid
-            fd, self.fds[index] = self.fds[index], -1
-            return attach(fd, ((dtype, (1,) + tuple(shape), 0),))[0][0]
-        raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+        if self.region is None:
+            raise pickle.UnpicklingError(f"an array reference {pid!r} without a slot")
+        return _from_slot(self.region, pid)
 
 
-def load_batch(data: bytes, fds: Sequence[int]) -> Any:
-    """The batch :func:`dump_batch` made, its arrays mapped from the received descriptors."""
-    unpickler = _BatchUnpickler(data, fds)
-    try:
-        return unpickler.load()
-    finally:
-        for fd in unpickler.fds:  # any the payload did not claim
-            if fd >= 0:
-                _close_fd(fd)
+def _from_slot(region: Any, ref: tuple) -> Any:
+    """The array a reference of :meth:`_Layout.place` names: a view of the slot, or an NDArray
+    over it."""
+    offset, dtype, shape, as_nd = ref
+    view = _view(region, offset, dtype, shape)
+    return wrap_numpy(view) if as_nd else view
 
 
 # -- descriptors over a Unix socket --------------------------------------------------------------

@@ -8,8 +8,10 @@ Three ways to run a :class:`~gluon_stream._mx.samples.BatchMaker`, one interface
 * :class:`ProcessWorkers` (``num_workers > 0``, the default): worker processes forked once, when
   the loader is built (before its producer threads exist, and before a training loop creates
   GPU contexts), and kept across shards and epochs. A shard reaches them as shared memory
-  (its file descriptor over a Unix socket, see :mod:`.shm`); a batch comes back as MXNet
-  ``cpu_shared`` NDArrays wrapped without a copy. A dead worker is noticed at once (its process
+  (its file descriptor over a Unix socket, see :mod:`.shm`); a batch comes back in one of the
+  worker's slots (shared memory the loader mapped once, reused once the loop dropped the batch
+  it held), as NDArrays wrapped without a copy: per batch the loop's process sends one short
+  message and receives one. A dead worker is noticed at once (its process
   sentinel wakes a wait; a message it cannot be sent is a death too) and replaced; its batches
   are redone by the replacement within ``retries`` deaths per shard per epoch, so every batch
   is still delivered exactly once, and past that the next :meth:`~ProcessWorkers.result`
@@ -24,8 +26,10 @@ care they repeat each other's draws. A batch is made with the global RNGs seeded
 and a batch draws the same numbers on any number of worker processes, after a worker's death
 and after a resume. Per kind of worker:
 
-* processes: numpy's, ``random``'s and MXNet's CPU RNG are seeded. Seeding MXNet's costs about
-  1.7 ms of a worker's CPU per batch (MXNet reseeds every one of its parallel generators).
+* processes: numpy's, ``random``'s and MXNet's CPU RNG are seeded. Reseeding MXNet's costs
+  about 1.7 ms of a worker's CPU (MXNet reseeds every one of its parallel generators), so it is
+  done just before a batch's first MXNet operator, and not at all for a batch that runs none
+  (numpy-only augmentation): see :func:`~gluon_stream._mx.samples.seed_mxnet_lazily`.
 * ``num_workers=0``: numpy's and ``random``'s, which draw what the processes draw, and are put
   back after each batch, so the loop's own draws are as if the loader were not there. MXNet's
   RNG is not seeded (its state cannot be saved and restored). Another thread drawing from the
@@ -45,10 +49,12 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import logging
+import math
 import multiprocessing
 import multiprocessing.connection as mp_connection
 import os
 import pickle
+import select
 import signal
 import socket
 import threading
@@ -63,8 +69,9 @@ import numpy as np
 
 from .._closing import end_thread_pool
 from ..errors import BatchTimeout, LoaderClosed, WorkerDied, add_note
-from .samples import BatchMaker, Refs
-from .shm import SharedArrays, attach, dump_batch, load_batch, recv_fds, remove_worker_shm, send_fds
+from .samples import BatchMaker, Refs, seed_mxnet_lazily
+from .shm import (SharedArrays, SlotTable, SlotWriter, attach, recv_fds, remove_worker_shm,
+                  send_fds)
 
 __all__ = ["InlineWorkers", "ProcessWorkers", "ThreadWorkers", "make_workers"]
 
@@ -265,11 +272,12 @@ class _Task:
     worker: "_Worker | None" = None
 
 
-@dataclass
+@dataclass(eq=False)
 class _Worker:
     process: Any
     conn: mp_connection.Connection
     pid: int
+    serial: int  # unique in this pool (pids are reused): names its slots
     busy: set[int] = field(default_factory=set)
     last: _Task | None = None  # the last batch it was given (named if it dies holding none)
 
@@ -310,6 +318,9 @@ class ProcessWorkers:
         self._failure: WorkerDied | None = None  # a death past its budget: the next result()
         self._closed = threading.Event()
         self._lock = threading.Lock()  # close() may come from another thread
+        self._slots = SlotTable()
+        self._poller = select.poll()  # every worker's socket and process sentinel, kept
+        self._watched: dict[int, tuple[_Worker, bool]] = {}  # fd -> (worker, is sentinel)
         self._parent = _ParentPipe()
         try:
             for _ in range(num_workers):
@@ -338,9 +349,14 @@ class ProcessWorkers:
         finally:
             child_sock.close()
         assert process.pid is not None  # started
-        worker = _Worker(process, mp_connection.Connection(parent_sock.detach()), process.pid)
+        worker = _Worker(process, mp_connection.Connection(parent_sock.detach()), process.pid,
+                         self.forks)
         self.forks += 1
         self._workers.append(worker)
+        self._slots.add_worker(worker.serial)
+        for fd, sentinel in ((worker.conn.fileno(), False), (process.sentinel, True)):
+            self._poller.register(fd, select.POLLIN)
+            self._watched[fd] = (worker, sentinel)
         for sid, shared in self._sources.items():
             if not self._send(worker, ("attach", sid, shared.layout), [shared.fd]):
                 return
@@ -404,9 +420,9 @@ class ProcessWorkers:
             if self._failure is not None:
                 error, self._failure = self._failure, None
                 raise error
+            self._dispatch()  # workers that finished a batch get the next one now
             if tid in self._results:
                 break
-            self._dispatch()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self._stuck(tid, timeout, what)
@@ -459,7 +475,8 @@ class ProcessWorkers:
             task = self._tasks.get(tid)
             if task is None:
                 continue
-            if self._send(worker, ("task", tid, list(task.refs), task.seed)):
+            message = ("task", tid, list(task.refs), task.seed, self._slots.freed(worker.serial))
+            if self._send(worker, message):
                 task.worker, worker.last = worker, task
                 worker.busy.add(tid)
             else:  # it was dead already: the batch goes to another (or a new) worker
@@ -467,33 +484,46 @@ class ProcessWorkers:
 
     def _poll(self, timeout: float) -> None:
         """Take in the batches that came back and handle the workers that died, waiting up
-        to ``timeout`` seconds for either."""
-        watched = [(w, w.conn, w.process.sentinel) for w in self._workers]
-        ready = mp_connection.wait([c for _, c, _ in watched] + [s for _, _, s in watched],
-                                   timeout=timeout)
-        for worker, conn, _ in watched:
-            if conn in ready and worker in self._workers and not self._receive(worker):
+        to ``timeout`` seconds for either (one poll on the kept set of descriptors)."""
+        ready = self._poller.poll(max(1, math.ceil(timeout * 1000)) if timeout > 0 else 0)
+        events = [self._watched[fd] for fd, _ in ready if fd in self._watched]
+        for worker, sentinel in events:
+            if not sentinel and worker in self._workers and not self._receive(worker):
                 self._died(worker)
-        for worker, _, sentinel in watched:
-            if sentinel in ready and worker in self._workers:
+        for worker, sentinel in events:
+            if sentinel and worker in self._workers:
                 self._died(worker)
+
+    def _unwatch(self, worker: _Worker) -> None:
+        for fd in [fd for fd, (w, _) in self._watched.items() if w is worker]:
+            del self._watched[fd]
+            self._poller.unregister(fd)
 
     def _receive(self, worker: _Worker) -> bool:
         """Take in one message from a worker; False if there is none whole (it is gone)."""
         try:
             message = worker.conn.recv()
             kind, tid = message[0], message[1]
-            batch = load_batch(message[2], recv_fds(worker.conn, message[3])) \
-                if kind == "done" else None
+            if kind == "done":  # (payload, slot, size if the slot is new, slots it retired)
+                slot, size = message[3], message[4]
+                fd = recv_fds(worker.conn, 1)[0] if size else None
+                self._slots.update(worker.serial, slot, size, fd, message[5])
         except (EOFError, OSError) as exc:  # closed, or died mid-message: the batch is lost
             logger.debug("worker %d: nothing more to receive (%s)", worker.pid, exc)
             return False
         worker.busy.discard(tid)
         task = self._tasks.get(tid)
         if task is None:  # cancelled meanwhile
+            if kind == "done" and slot >= 0:
+                self._slots.give_back(worker.serial, slot)
             return True
         if kind == "done":
-            self._results[tid] = batch
+            try:
+                self._results[tid] = self._slots.load(worker.serial, slot, message[2])
+            except Exception as exc:  # e.g. a class the loader's process cannot import
+                add_note(exc, f"gluon_stream: the batch worker process {worker.pid} made "
+                              f"({_what(task.what)}) could not be read here")
+                self._results[tid] = _Failure(exc)
             return True
         error = _unpickle_error(message[2])
         add_note(error, f"gluon_stream: raised in worker process {worker.pid} while making "
@@ -568,6 +598,8 @@ class ProcessWorkers:
             worker.process.join(EXIT_S)
         code = worker.process.exitcode
         self._workers.remove(worker)
+        self._unwatch(worker)
+        self._slots.remove_worker(worker.serial)
         worker.conn.close()
         worker.process.close()
         remove_worker_shm(worker.pid)
@@ -581,6 +613,7 @@ class ProcessWorkers:
             self._closed.set()
         workers, self._workers = list(self._workers), []
         for worker in workers:
+            self._unwatch(worker)
             try:
                 worker.conn.send(("stop",))
             except OSError as exc:
@@ -598,6 +631,7 @@ class ProcessWorkers:
             worker.conn.close()
             worker.process.close()
         self._parent.close()
+        self._slots.close()
         self._queue.clear()
         self._tasks.clear()
         self._results.clear()
@@ -659,13 +693,16 @@ def _unpickle_error(data: bytes) -> BaseException:
 # -- the worker process ------------------------------------------------------------------------
 def _worker_main(sock: socket.socket, maker: BatchMaker, inherited: list[int],
                  parent_fd: int) -> None:
-    """A worker's life: attach sources, make batches, send them back, until told to stop."""
+    """A worker's life: attach sources, make batches into its slots, send them back, until
+    told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the training loop
     _exit_with_parent(parent_fd)
     for fd in inherited:  # the other workers' sockets and the loader's shard files
         _close_fd(fd)
     conn = mp_connection.Connection(sock.detach())
     sources: dict[int, tuple] = {}
+    slots = SlotWriter()
+    seed_mxnet_lazily()
     while True:
         try:
             message = conn.recv()
@@ -678,13 +715,18 @@ def _worker_main(sock: socket.socket, maker: BatchMaker, inherited: list[int],
             sources.pop(message[1], None)
         elif kind == "task":
             tid, refs, seed = message[1], message[2], message[3]
+            slots.release(message[4])  # slots whose batches the loader dropped
             try:
-                payload, fds, keep = dump_batch(maker(sources, refs, seed))
+                payload, slot, size, retired, new_fd = slots.write(maker(sources, refs, seed))
             except Exception as exc:
                 conn.send(("error", tid, _pickle_error(exc)))
                 continue
-            conn.send(("done", tid, payload, len(fds)))
-            send_fds(conn, fds)
-            del keep
+            try:
+                conn.send(("done", tid, payload, slot, size, retired))
+                if new_fd is not None:  # a new slot: the loader maps it once
+                    send_fds(conn, [new_fd])
+            finally:
+                if new_fd is not None:
+                    _close_fd(new_fd)
         elif kind == "stop":
             return

@@ -4,8 +4,8 @@ The generator runs as a real external process per shard (it sleeps to stand in f
 expensive C++ program), the transform cuts sliding windows, and a small Gluon network
 trains on the batches while the next shards are produced in the background. A progress
 bar per epoch shows samples/s and the share of time the loop waited for data; at the end
-the demo prints the stats table and writes the pipeline timeline as a PNG (and, with
---trace, a Chrome/Perfetto trace).
+the demo prints the stats table, the bottleneck verdict with its advice, and writes the
+pipeline timeline as a PNG (and, with --trace, a Chrome/Perfetto trace).
 """
 from __future__ import annotations
 
@@ -66,7 +66,8 @@ def register(subparsers: Any) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """Run the demo; prints per-epoch samples/s, the stats table and where the timeline went."""
+    """Run the demo; prints per-epoch samples/s, the stats table, the bottleneck verdict and
+    where the timeline went."""
     plot = _plot_path(args.plot)
     windows = args.rows - args.time_steps
     if windows <= 0:
@@ -103,6 +104,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 print(f"epoch {epoch}: {samples} samples in {wall:.2f} s = "
                       f"{samples / wall:,.0f} samples/s, loss {total / max(samples, 1):.4f}")
             print(loader.stats.summary())
+            print(loader.stats.diagnose().headline)
             _export(loader.stats, plot, args.trace)
     return 0
 

@@ -1,9 +1,12 @@
 """The bench's targets and its human-readable tables."""
 from __future__ import annotations
 
+from ...diagnosis import Diagnosis
 from .pipeline import PIPELINE_SCENARIOS
 
-__all__ = ["UNBOUNDED", "fmt", "format_results", "targets"]
+__all__ = ["DIAGNOSED", "UNBOUNDED", "fmt", "format_results", "targets"]
+
+DIAGNOSED = "gluon_stream"  # the contender whose bottleneck verdict ends the report (defaults)
 
 # Contenders whose epochs the ideal does not bound: it counts no per-sample work (batchify
 # runs per batch, in the loop's thread or as the loop receives it), and a shuffle window
@@ -168,4 +171,11 @@ def format_results(results: dict) -> str:
         for t in targets:
             lines.append(f"  [{'met ' if t['met'] else 'MISS'}] {t['target']}: {t['value']:.3f} "
                          f"(limit {t['limit']})")
+    verdicts = [(scenario, verdict) for scenario in PIPELINE_SCENARIOS
+                if (verdict := results.get(scenario, {}).get("contenders", {})
+                    .get(DIAGNOSED, {}).get("diagnosis"))]
+    if verdicts:
+        lines.append(f"\nstats.diagnose() of {DIAGNOSED} (the library's defaults), last round:")
+        lines.extend(f"  {scenario}: {Diagnosis(**verdict).headline}"
+                     for scenario, verdict in verdicts)
     return "\n".join(lines)
