@@ -12,7 +12,8 @@ from ._version import __version__
 from .diagnosis import Diagnosis
 from .errors import (BatchTimeout, CorruptShard, LoaderClosed, SchemaMismatch, ShardError,
                      ShardTimeout, StreamError, UnsafeShard, WorkerDied)
-from .errors import CommandNotFound, InvalidState, StaleShard, UnbatchableShard, UnsafeKey
+from .errors import (CacheFull, CommandNotFound, InvalidState, StaleShard, UnbatchableShard,
+                     UnsafeKey)
 from .loader import StreamLoader
 from .shardfile import inspect_shard, load_shard, write_shard
 from .sources import CommandSource, FileSource, FunctionSource, Source
@@ -21,6 +22,7 @@ from .stream import Shard, ShardStream
 
 __all__ = [
     "BatchTimeout",
+    "CacheFull",
     "CommandNotFound",
     "CommandSource",
     "CorruptShard",

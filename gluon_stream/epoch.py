@@ -198,6 +198,7 @@ class EpochPass:
                 record.shard_wait_s += feed.shard_wait_s
                 record.mix_wait_s += feed.mix_wait_s
             record.wall_s = clock() - t_start
+            record.producers = stream.producers
             if bar is not None:
                 bar.close(record)
 

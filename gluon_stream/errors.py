@@ -7,6 +7,7 @@ they resemble, so ``except ValueError`` or ``except TimeoutError`` keep working:
         ShardError(RuntimeError)        the generator failed: key, argv, exit code, stderr tail
             ShardTimeout(TimeoutError)  the generator ran past its timeout
             CommandNotFound             the generator's program is missing or not executable
+            CacheFull                   cache_limit leaves no room: every cached shard in use
         CorruptShard(ValueError)        bad magic/header/size, truncated, junk appended
         UnsafeShard(ValueError)         pickles, object arrays, symlinks out of the cache
         SchemaMismatch(ValueError)      dtypes or trailing shapes differ between shards
@@ -24,6 +25,7 @@ from typing import Any, Sequence
 
 __all__ = [
     "BatchTimeout",
+    "CacheFull",
     "CommandNotFound",
     "CorruptShard",
     "InvalidState",
@@ -177,6 +179,11 @@ class LoaderClosed(StreamError, RuntimeError):
 class UnsafeKey(StreamError, ValueError):
     """A shard key cannot be a file name and a command argument safely (``../x``, ``$(id)``),
     or two keys would share one cache file (``1`` and ``'1'``)."""
+
+
+class CacheFull(ShardError):
+    """``cache_limit`` leaves no room for a shard: it is larger than the limit, or every cached
+    shard stayed in use (being read, or made and not yet read) for ``lock_timeout``."""
 
 
 class InvalidState(StreamError, ValueError):

@@ -715,6 +715,7 @@ class EpochRun:
     def next_shard(self) -> Shard | None:
         """The next shard in order, or None at the end of the epoch."""
         stream = self.stream
+        self.last_wait_s = 0.0  # summed over retries; 0 at the end (nothing was waited for)
         while True:
             stream.check_open()
             if self.cancelled:
@@ -782,7 +783,7 @@ class EpochRun:
         try:
             return self._poll(fut, key)
         finally:
-            self.last_wait_s = clock() - start
+            self.last_wait_s += clock() - start
 
     def _poll(self, fut: cf.Future, key: Any = None) -> Shard:
         # cf.wait, not result(timeout=): since Python 3.11 cf.TimeoutError is the built-in

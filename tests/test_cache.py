@@ -306,13 +306,13 @@ def test_a_shard_just_made_is_not_evicted_before_it_is_read(tmp_path, caplog):
 def test_a_cache_that_stays_pinned_raises_rather_than_exceed_its_limit(tmp_path):
     cache = LocalShardCache(tmp_path, lock_timeout=0.2, limit=1)
     a, _ = cache.get_or_create("a", maker(cache, "a"))
-    with cache.reading(a), pytest.raises(gs.ShardError, match=r"shard 'b': cache_limit \(1 "
+    with cache.reading(a), pytest.raises(gs.CacheFull, match=r"shard 'b': cache_limit \(1 "
                                                              r"shards\) leaves no room .*raise "
                                                              r"cache_limit"):
         cache.get_or_create("b", maker(cache, "b"))
     assert cached(tmp_path) == ["a.npy"] and hidden_files(tmp_path) == []
     small = LocalShardCache(tmp_path / "small", lock_timeout=10, limit="100B")
-    with pytest.raises(gs.ShardError, match=r"shard 'big' is \d+ bytes, more than cache_limit "
+    with pytest.raises(gs.CacheFull, match=r"shard 'big' is \d+ bytes, more than cache_limit "
                                             r"\(100 bytes\)"):
         small.get_or_create("big", maker(small, "big", size=1000))
     assert os.listdir(tmp_path / "small") == []

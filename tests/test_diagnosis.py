@@ -329,9 +329,6 @@ def test_a_slow_training_step_with_fast_data_is_training_bound():
 
 
 @pytest.mark.mxnet
-@pytest.mark.xfail(strict=True, reason="EpochRun.next_shard keeps last_wait_s when it returns "
-                   "None at the epoch's end, and the feed adds it again (the fix is with the "
-                   "lead: reset it per call, sum it over retries); remove this mark then")
 def test_the_wait_for_shards_is_part_of_the_stall():
     def last_is_slow(key):
         time.sleep(0.2 if key == 3 else 0.0)

@@ -148,9 +148,9 @@ def test_rotation_is_timed_only_at_boundaries_whose_shard_was_ready():
         next(it), next(it)  # shard 1, produced before the loop asked for it
         real = loader.stream._waited
 
-        def waited(key):  # shard 2 is released only once the loop waits for it
+        def waited(key, *args):  # shard 2 is released only once the loop waits for it
             gate.set()
-            real(key)
+            real(key, *args)
 
         loader.stream._waited = waited
         assert [b.asnumpy().tolist() for b in it] == [[20.0, 21, 22, 23], [24.0, 25, 26, 27]]

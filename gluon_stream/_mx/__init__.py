@@ -3,7 +3,7 @@
 MXNet is imported on first use (:func:`require_mxnet`), not when ``gluon_stream`` is imported,
 so the parts that need no MXNet (sources, shard files, stats, ``gluon-stream inspect``) work
 and start fast where MXNet is missing or broken. MXNet 1.9.1 needs ``numpy<1.24`` (it uses
-``np.bool``), or on Python 3.12 numpy 1.26 with those aliases restored (see :func:`_load`) and
+``np.bool``), or on Python 3.12 numpy 1.26 with those aliases restored (see :func:`restore_numpy_aliases`) and
 setuptools (for ``distutils``); where it cannot be imported, whatever needs it raises an
 ImportError that says which extra to install.
 """
@@ -73,9 +73,10 @@ def mxnet_available() -> bool:
 def require_mxnet() -> Any:
     """Return the ``mxnet`` module or raise an ImportError that names the extra to install.
 
-    Public as ``gluon_stream.import_mxnet()``: on Python 3.12 (numpy 1.26) a script's own
-    ``import mxnet`` fails unless numpy's removed aliases are restored first, which this does;
-    after it, ``import mxnet`` works anywhere in the process.
+    Public as ``gluon_stream.import_mxnet()``: MXNet with numpy's removed aliases restored
+    (Python 3.12, numpy 1.26). Where gluon_stream is installed a script's own ``import mxnet``
+    restores them too (``_gluon_stream_mxnet_hook``); this is for where .pth files are not read
+    (``python -S``, a source tree on PYTHONPATH).
 
     Example:
         >>> import gluon_stream as gs

@@ -50,7 +50,7 @@ import time
 import uuid
 from typing import Any, Callable, Iterator
 
-from ..errors import CorruptShard, LoaderClosed, ShardError, StaleShard, UnsafeShard
+from ..errors import CacheFull, CorruptShard, LoaderClosed, ShardError, StaleShard, UnsafeShard
 from ..shardfile import TEMP_MARKER, discard_path, inspect_shard, open_regular, remove_if_exists
 from .base import Create, Recipe
 from .evict import CacheLimit, evict_if_unread, evict_lru
@@ -438,7 +438,7 @@ class LocalShardCache:
         waits for one to be released, at most ``lock_timeout``.
         """
         if self.limit.max_bytes is not None and size > self.limit.max_bytes:
-            raise ShardError(f"shard {name!r} is {size} bytes, more than cache_limit "
+            raise CacheFull(f"shard {name!r} is {size} bytes, more than cache_limit "
                              f"({self.limit}) allows in all; raise cache_limit", key=name)
         replaced = {self._final(name, suffix) for suffix in SUFFIXES}  # this publish replaces
         deadline = time.monotonic() + self.lock_timeout
@@ -447,7 +447,7 @@ class LocalShardCache:
             if evict_lru(shards, self.limit, self._try_evict, incoming=(1, size)):
                 return
             if time.monotonic() >= deadline:
-                raise ShardError(
+                raise CacheFull(
                     f"shard {name!r}: cache_limit ({self.limit}) leaves no room for it: the "
                     f"{len(shards)} shards in {self._where()} stayed pinned (being read, or "
                     f"made and not yet read) for lock_timeout={self.lock_timeout:g} s; raise "
