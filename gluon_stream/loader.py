@@ -30,12 +30,11 @@ from ._mx import workers as mx_workers
 from ._mx.samples import SAMPLE_FORMATS, SampleFormat
 from .batching import LAST_BATCH_MODES, LastBatch, Position
 from .distributed import resolve_parts
-from ._fsspec import is_url
 from .epoch import EpochPass, PassSettings
 from .errors import InvalidState, LoaderClosed
 from .paths import SamplePath, SlicePath
 from .retry import OnError
-from .sources import CachingSource, FileSource, Source
+from .sources import Source
 from .state import LoaderState, decode_state, encode_state
 from .stats import Stats
 from .stream import ShardStream
@@ -284,20 +283,11 @@ class StreamLoader(Closing):
             return ("the keys are an endless iterator, so the epoch has no known end (iterate "
                     "with a fixed number of steps instead)")
         unknown = [k for k in keys if stream.shard_size(k, epoch) is None]
-        source = stream.source
-        why = []
+        why = [stream.source.unknown_size_reason()]
         if stream.transform is not None:
-            why.append("a transform may change the sample counts of the files")
-        if isinstance(source, CachingSource) and not source.cached:
-            why.append("the shards are made by a function and not cached")
-        elif isinstance(source, CachingSource):
-            why.append("they are not in the cache yet")
-        if source.per_epoch:
-            why.append("the command uses {epoch}, so every epoch has new shards")
-        if isinstance(source, FileSource):
-            why.append("remote files' headers are not read ahead")
+            why.insert(0, "a transform may change the sample counts of the files")
         return (f"the sizes of {len(unknown)} of {len(keys)} shards (e.g. {unknown[0]!r}) are not "
-                f"known without producing them ({'; '.join(why) or 'they are made on demand'}). "
+                f"known without producing them ({'; '.join(why)}). "
                 "Pass shard_sizes= (a dict, fn(key), or one int for every shard), fill the cache "
                 "ahead with gluon-stream generate, or read existing files with FileSource; sizes "
                 "of shards seen in an earlier pass are reused when the data cannot change")
@@ -447,12 +437,14 @@ def _check_ctx(ctx: Any, shards_on_ctx: bool, vectorised: bool) -> Any:
 
 
 def _sizes_known(source: Source, given: Mapping[str, Any]) -> bool:
-    """Whether every rank knows every shard's size ahead, the same way: ``shard_sizes=``, or
-    the headers of local files no transform changes (cached files are not: a rank may see a
-    file another has not yet made)."""
+    """Whether every rank knows every shard's size ahead, and alike: ``shard_sizes=``, or sizes
+    the source knows before anything is produced (local file headers, a cache filled ahead by
+    ``gluon-stream generate``), with no transform to change them. (Shards cached by a job
+    already running do not count: a rank starting later would see more than one starting
+    earlier, and the two would deal the shards differently.)"""
     if given.get("shard_sizes") is not None:
         return True
-    if not isinstance(source, FileSource) or given.get("transform") is not None:
+    if given.get("transform") is not None or source.per_epoch:
         return False
     keys, finite = source.keys_for_epoch(0)
-    return finite and not any(is_url(k) for k in keys)
+    return finite and all(source.known_size(key, 0) is not None for key in keys)

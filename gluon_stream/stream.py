@@ -346,10 +346,13 @@ class ShardStream(Closing):
     def shard_size(self, key: Any, epoch: int) -> int | None:
         """This part's samples of a shard after transform, if known without producing it.
 
-        Declared sizes (``shard_sizes=``) come first and are never replaced by what a shard
-        turned out to hold: every rank counts with them, so batch counts agree across ranks.
+        Sizes every rank knows alike come first: declared ones (``shard_sizes=``), then those
+        the source knows ahead (headers, a cache filled by ``gluon-stream generate``); they are
+        never replaced by what a shard turned out to hold, so batch counts agree across ranks.
         """
         n = self.declared_size(key)
+        if n is None and self.transform is None:
+            n = self.source.known_size(key, epoch)  # the same on every rank
         if n is None:
             n = self._sizes.get((key, epoch), self._sizes.get((key, None)))  # seen: this part's
             if n is not None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shlex
@@ -166,8 +167,11 @@ def test_generate_fills_the_cache_in_parallel_then_skips_cached_keys(tmp_path, c
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "4/4 shards" in out and "(4 generated, 0 already cached, 0 failed)" in out
-    assert sorted(os.listdir(cache)) == ["2024-02-28.npy", "2024-02-29.npy", "2024-03-01.npy",
-                                         "x1.npy"]
+    assert sorted(os.listdir(cache)) == [".gluon_stream-sizes.json", "2024-02-28.npy",
+                                         "2024-02-29.npy", "2024-03-01.npy", "x1.npy"]
+    recorded = json.loads((cache / ".gluon_stream-sizes.json").read_text())["shards"]
+    assert {name: entry["samples"] for name, entry in recorded.items()} == {
+        "2024-02-28": 50, "2024-02-29": 50, "2024-03-01": 50, "x1": 50}
     np.testing.assert_array_equal(np.load(cache / "x1.npy"), generator.generate("x1", 50, 3))
     assert main(argv) == 0
     assert "(0 generated, 4 already cached, 0 failed)" in capsys.readouterr().out

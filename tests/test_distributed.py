@@ -298,3 +298,42 @@ def test_a_state_taken_while_a_short_rank_repeats_resumes_exactly(rank):
         with make() as second:
             second.load_state_dict(state)
             assert head + [batch_ids(b) for b in second] == reference, k
+
+
+def test_a_cache_filled_ahead_by_generate_counts_as_sizes_known(tmp_path):
+    """gluon-stream generate records the sizes it filled the cache with: every rank then deals
+    shards (each loads only its own) with equal counts and len(); shards cached by a job that
+    is already running do not count, so ranks starting at different times decide alike."""
+    import shlex
+
+    from fake_generator import command
+    from gluon_stream.cli import main
+
+    keys = [f"k{i}" for i in range(9)]
+    argv = command("ok", rows=7)
+    cache = tmp_path / "cache"
+    assert main(["generate", "--command", shlex.join(argv), "--keys", *keys,
+                 "--cache-dir", str(cache), "--no-progress"]) == 0
+
+    def rank(r, cache_dir):
+        src = gs.CommandSource(keys, argv, cache_dir=cache_dir)
+        with gs.StreamLoader(src, batch_size=4, num_parts=3, part_index=r, seed=1,
+                             shuffle=True, even_batches=True) as loader:
+            expected = len(loader)
+            batches = list(loader)
+            loaded = {record.key for record in loader.stats.shards}
+            return loader.stream.deal, expected, len(batches), loaded
+
+    results = [rank(r, cache) for r in range(3)]
+    assert {deal for deal, *_ in results} == {"shards"}
+    assert len({(expected, got) for _, expected, got, _ in results}) == 1
+    assert all(expected == got for _, expected, got, _ in results)
+    loaded = [keys_loaded for *_, keys_loaded in results]
+    assert all(len(k) == 3 for k in loaded) and set().union(*loaded) == set(keys)  # its own
+
+    # a cache some process filled while running (no record): sizes unknown on every rank
+    other = tmp_path / "other"
+    src = gs.CommandSource(keys, argv, cache_dir=other)
+    with gs.StreamLoader(src, batch_size=4) as loader:
+        list(loader)
+    assert [rank(r, other)[0] for r in range(3)] == ["samples"] * 3

@@ -58,3 +58,9 @@ class ShardCache(Protocol):
 
     def evict(self, path: str) -> None:
         """Remove a finished shard (it is unreadable); gone already is fine."""
+
+    def recorded_sizes(self) -> Mapping[str, Mapping[str, Any]]:
+        """Shard name -> ``{"samples", "recipe"}`` recorded when the cache was filled ahead."""
+
+    def record_sizes(self, sizes: Mapping[str, Mapping[str, Any]]) -> None:
+        """Add to the sizes recorded (``gluon-stream generate``)."""

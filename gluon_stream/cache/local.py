@@ -41,6 +41,7 @@ import contextlib
 import errno
 import fcntl
 import glob
+import json
 import logging
 import os
 import re
@@ -48,8 +49,9 @@ import stat
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
+from .. import _validate
 from ..errors import CacheFull, CorruptShard, LoaderClosed, ShardError, StaleShard, UnsafeShard
 from ..shardfile import TEMP_MARKER, discard_path, inspect_shard, open_regular, remove_if_exists
 from .base import Create, Recipe
@@ -70,6 +72,8 @@ FUTURE_SLACK_S = 5.0  # a last-used time further ahead than this is a skewed clo
 ON_CHANGE = ("regenerate", "raise")
 _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 
+
+SIZES_FILE = ".gluon_stream-sizes.json"  # sizes recorded by gluon-stream generate
 
 class LocalShardCache:
     """Finished shards in ``cache_dir``; one process generates a key at a time.
@@ -264,6 +268,39 @@ class LocalShardCache:
 
     def evict(self, path: str) -> None:
         remove_if_exists(path)
+
+    # -- sizes recorded when the cache was filled ahead -------------------------------------
+    def recorded_sizes(self) -> dict[str, dict]:
+        """Shard name -> ``{"samples": n, "recipe": digest}``, as ``gluon-stream generate``
+        recorded them when it filled this cache ahead (empty if it never did)."""
+        path = os.path.join(self.root, SIZES_FILE)
+        try:
+            with open(path, encoding="utf-8") as fp:
+                data = json.load(fp)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:  # the sizes then count as unknown
+            logger.warning("cannot read %s (%s): shard sizes are unknown until produced", path,
+                           exc)
+            return {}
+        shards = data.get("shards") if isinstance(data, dict) else None
+        if not isinstance(shards, dict):
+            logger.warning("%s holds no shard sizes; ignoring it", path)
+            return {}
+        return {name: entry for name, entry in shards.items() if isinstance(entry, dict)
+                and _validate.is_int(entry.get("samples")) and entry["samples"] >= 0}
+
+    def record_sizes(self, sizes: Mapping[str, dict]) -> None:
+        """Add ``sizes`` (as :meth:`recorded_sizes` gives them) to the record, written whole
+        and atomically: a reader sees the record before or after, never a part."""
+        merged = {**self.recorded_sizes(), **sizes}
+        tmp = self.temp_path("sizes", ".json")
+        try:
+            with open(tmp, "w", encoding="utf-8") as fp:
+                json.dump({"version": 1, "shards": merged}, fp, sort_keys=True)
+            os.replace(tmp, os.path.join(self.root, SIZES_FILE))
+        finally:
+            remove_if_exists(tmp)
 
     # -- making shards ---------------------------------------------------------------------
     def temp_path(self, name: str, suffix: str) -> str:

@@ -36,7 +36,7 @@ import os
 import tempfile
 import threading
 import uuid
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from .._fsspec import downloaded, fsspec, storage_errors
 from ..shardfile import TEMP_MARKER, remove_if_exists
@@ -124,6 +124,13 @@ class RemoteShardCache(LocalShardCache):
     def num_samples(self, name: str, recipe: Recipe = None) -> int | None:
         """None: known after the first pass, without downloading every shard twice."""
         return None
+
+    def recorded_sizes(self) -> dict[str, dict]:
+        """None recorded: ``gluon-stream generate`` fills local caches only."""
+        return {}
+
+    def record_sizes(self, sizes: Mapping[str, dict]) -> None:
+        raise NotImplementedError("sizes are recorded for local cache directories only")
 
     # -- pins: this process only (an object store has no locks) -----------------------------
     def _pin(self, path: str) -> Any:

@@ -126,6 +126,7 @@ def run_generate(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError) as exc:
         raise UsageError(str(exc)) from None
     failed: list[tuple[str, BaseException]] = []
+    sizes: dict[str, int] = {}  # recorded for loaders: sizes known ahead, alike on every rank
     hits = 0
     jobs = args.jobs or os.cpu_count() or 1
     with source, cf.ThreadPoolExecutor(jobs, thread_name_prefix="gluon_stream-generate") \
@@ -142,6 +143,7 @@ def run_generate(args: argparse.Namespace) -> int:
                     logger.info("shard %r failed: %s", key, exc)
                 else:
                     hits += raw.cache_hit
+                    sizes[key] = len(raw.arrays[0])
                     logger.info("shard %r %s: %s", key, "cached" if raw.cache_hit else
                                 f"generated in {raw.generate_s:.2f} s", raw.path)
                     del raw
@@ -151,6 +153,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 fut.cancel()
             source.close()  # kills running generators
             raise
+        source.record_sizes(sizes, args.epoch)
     done = len(keys) - len(failed)
     print(f"{done}/{len(keys)} shards in {os.path.abspath(args.cache_dir)} "
           f"({done - hits} generated, {hits} already cached, {len(failed)} failed)")

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
 from .._closing import Closing
 from ..cache import ShardCache, make_cache
+from ..cache.recipe import recipe_digest
 from ..errors import CorruptShard, LoaderClosed, ShardError, UnsafeKey, UnsafeShard
 from ..keys import Keys, check_keys, keys_for_epoch, validate_key
 from ..shardfile import load_shard
@@ -73,6 +74,19 @@ class Source(Closing):
         """Sample count of a shard if known without producing it, else None."""
         return None
 
+    def unknown_size_reason(self) -> str:
+        """Why this source cannot tell a shard's size without producing it, in words."""
+        return "they are made on demand"
+
+    def known_size(self, key: Any, epoch: int) -> int | None:
+        """Sample count of a shard known before any process produces it, the same in every
+        process (file headers; sizes recorded when a cache was filled ahead), else None.
+
+        Unlike :meth:`num_samples`, it cannot change while a job runs: ranks that decide how
+        to deal shards from it all decide alike.
+        """
+        return None
+
     def _check_open(self) -> None:
         if self._closed.is_set():
             raise LoaderClosed(f"{type(self).__name__} is closed")
@@ -110,6 +124,7 @@ class CachingSource(Source):
             make_cache(cache_dir, lock_timeout, self._closed, cache_limit, on_change)
             if cache_dir is not None else None)
         self._mmap = mmap
+        self._recorded: dict[str, Any] | None = None  # sizes recorded in the cache, once read
 
     @property
     def cached(self) -> bool:
@@ -175,6 +190,33 @@ class CachingSource(Source):
             return None
         return self._cache.num_samples(self.shard_name(key, epoch), self.recipe(key, epoch))
 
+    def unknown_size_reason(self) -> str:
+        if self._cache is None:
+            return "the shards are made by a function and not cached"
+        if self.per_epoch:
+            return "the command uses {epoch}, so every epoch has new shards"
+        return "they are not in the cache yet"
+
+    def known_size(self, key: Any, epoch: int) -> int | None:
+        """The size recorded for this shard, made with this recipe, when ``gluon-stream
+        generate`` filled the cache ahead (read once: the record a job starts with)."""
+        if self._cache is None:
+            return None
+        if self._recorded is None:
+            self._recorded = dict(self._cache.recorded_sizes())
+        entry = self._recorded.get(self.shard_name(key, epoch))
+        if entry is None or entry.get("recipe") != _recipe_digest(self.recipe(key, epoch)):
+            return None
+        return int(entry["samples"])
+
+    def record_sizes(self, sizes: Mapping[Any, int], epoch: int) -> None:
+        """Record ``{key: samples}`` of shards in the cache, so that loaders know them ahead
+        (:meth:`known_size`); ``gluon-stream generate`` does this once it has filled it."""
+        self._require_cache().record_sizes(
+            {self.shard_name(key, epoch): {"samples": int(n),
+                                           "recipe": _recipe_digest(self.recipe(key, epoch))}
+             for key, n in sizes.items()})
+
     @contextlib.contextmanager
     def _ensured(self, key: Any, epoch: int,
                  executor: cf.Executor | None) -> Iterator[tuple[str, bool]]:
@@ -218,6 +260,10 @@ class CachingSource(Source):
                          "that cannot see this reader (an fsspec cache_dir shared by several "
                          "processes: give it a cache_limit above the shards they read at once)",
                          key=key)
+
+
+def _recipe_digest(recipe: Mapping[str, Any] | None) -> str | None:
+    return None if recipe is None else recipe_digest(recipe)
 
 
 def _same_key(a: Any, b: Any) -> bool:

@@ -74,6 +74,13 @@ class FileSource(Source):
             return None  # known after the first pass, without downloading every shard twice
         return inspect_shard(key)[0].shape[0]
 
+    def unknown_size_reason(self) -> str:
+        return "remote files' headers are not read ahead"
+
+    def known_size(self, key: Any, epoch: int) -> int | None:
+        """A local file's header (remote files' headers are not read ahead)."""
+        return self.num_samples(key, epoch)
+
 
 @contextlib.contextmanager
 def _fetched(url: str) -> Iterator[str]:
