@@ -16,7 +16,7 @@ from .errors import (CacheFull, CommandNotFound, InvalidState, StaleShard, Unbat
                      UnsafeKey)
 from .loader import StreamLoader
 from .shardfile import inspect_shard, load_shard, write_shard
-from .sources import CommandSource, FileSource, FunctionSource, Source
+from .sources import CommandSource, FileSource, FunctionSource, MixSource, Source
 from .stats import Stats
 from .stream import Shard, ShardStream
 
@@ -31,6 +31,7 @@ __all__ = [
     "FunctionSource",
     "InvalidState",
     "LoaderClosed",
+    "MixSource",
     "SchemaMismatch",
     "Shard",
     "ShardError",

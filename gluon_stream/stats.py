@@ -57,6 +57,8 @@ class ShardRecord:
         transform_s: Seconds in the transform, the shuffle and the copy into an NDArray.
         producer: The producer thread that made it.
         error: ``"Type: message"`` for a shard skipped by ``on_error='skip'``, else None.
+        source: The name of the source it came from in a :class:`~gluon_stream.MixSource`
+            (None for a source used alone, and for a skipped shard).
     """
 
     key: Any
@@ -68,6 +70,7 @@ class ShardRecord:
     transform_s: float = 0.0
     producer: str = ""
     error: str | None = None
+    source: str | None = None
 
 
 @dataclass
@@ -116,7 +119,11 @@ class EpochRecord:
 
 @dataclass
 class ShardTotals:
-    """Running totals over every shard recorded (records themselves are a bounded window)."""
+    """Running totals over every shard recorded (records themselves are a bounded window).
+
+    ``source_samples`` and ``source_shards`` count the shards of a
+    :class:`~gluon_stream.MixSource` per source name (empty for a source used alone).
+    """
 
     produced: int = 0
     skipped: int = 0
@@ -125,6 +132,8 @@ class ShardTotals:
     generate_s: float = 0.0
     load_s: float = 0.0
     transform_s: float = 0.0
+    source_samples: dict[str, int] = field(default_factory=dict)
+    source_shards: dict[str, int] = field(default_factory=dict)
 
     def add(self, record: ShardRecord) -> None:
         if record.error is not None:
@@ -136,6 +145,10 @@ class ShardTotals:
         self.generate_s += record.generate_s
         self.load_s += record.load_s
         self.transform_s += record.transform_s
+        if record.source is not None:
+            name = record.source
+            self.source_samples[name] = self.source_samples.get(name, 0) + record.samples
+            self.source_shards[name] = self.source_shards.get(name, 0) + 1
 
 
 class Stats:
@@ -209,6 +222,21 @@ class Stats:
         """Shards dropped by ``on_error='skip'`` over all epochs."""
         return sum(e.skipped_shards for e in self.epochs)
 
+    def per_source(self) -> dict[str, int]:
+        """Samples of the shards delivered, per source of a :class:`~gluon_stream.MixSource`,
+        in name order; counted over every shard, also beyond the records kept. Empty when the
+        source is not a mix.
+
+        Example:
+            >>> stats = Stats()
+            >>> stats.add_shard(ShardRecord(("old", 3), 0, samples=10, source="old"))
+            >>> stats.add_shard(ShardRecord(("new", 1), 0, samples=30, source="new"))
+            >>> stats.per_source()
+            {'new': 30, 'old': 10}
+        """
+        with self._lock:
+            return dict(sorted(self.totals_produced.source_samples.items()))
+
     def span_list(self) -> list[Span]:
         """A consistent copy of the spans recorded so far (oldest first)."""
         with self._lock:
@@ -246,7 +274,9 @@ class Stats:
         their share, samples/s, median shard rotation cost in ms, peak shards held, and shards
         skipped. A pass cut short (``break``, Ctrl-C, an error) is marked ``*``. The totals cover
         every shard produced, also on endless streams where only the latest
-        ``MAX_SHARD_RECORDS`` records are kept.
+        ``MAX_SHARD_RECORDS`` records are kept. Shards of several sources (a
+        :class:`~gluon_stream.MixSource`) add a line per source: its shards, its samples and
+        their share of all samples.
 
         Example:
             >>> print(Stats().summary().split()[:3])
@@ -271,6 +301,11 @@ class Stats:
                 f"shards: {totals.produced} produced ({totals.cache_hits} cache hits); "
                 f"generate {totals.generate_s:.2f} s, load {totals.load_s:.2f} s, "
                 f"transform {totals.transform_s:.2f} s in total")
+        if len(totals.source_samples) > 1:
+            for name, samples in sorted(totals.source_samples.items()):
+                share = 100.0 * samples / totals.samples if totals.samples else 0.0
+                lines.append(f"source {name}: {totals.source_shards[name]} shards, "
+                             f"{samples} samples ({share:.1f}%)")
         if any(not e.complete for e in epochs):
             lines.append("* a pass that was interrupted (break, Ctrl-C, an error) before its end")
         return "\n".join(lines)

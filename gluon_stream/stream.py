@@ -521,7 +521,7 @@ class ShardStream(Closing):
         self.stats.add_span(lane, "load", gen_end, load_end, key)
         self.stats.add_span(lane, "transform", max(load_end, t1), t2, key)
         shard.record = ShardRecord(key, epoch, len(shard), raw.cache_hit, raw.generate_s,
-                                   raw.load_s, t2 - t1, lane)
+                                   raw.load_s, t2 - t1, lane, source=raw.source)
         return shard
 
     def _check_schema(self, shard: Shard) -> None:

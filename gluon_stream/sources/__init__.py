@@ -3,6 +3,7 @@
 * :class:`CommandSource` runs an external program per key (argv only, never a shell).
 * :class:`FunctionSource` calls a Python function per key.
 * :class:`FileSource` reads existing ``.npy`` / ``.npz`` files.
+* :class:`MixSource` takes the shards of several sources in chosen proportions.
 
 Keys are a sequence, an (endless) iterator, or a callable ``keys(epoch)`` that returns
 that epoch's keys (see :mod:`gluon_stream.keys`).
@@ -11,5 +12,7 @@ from .base import CachingSource, RawShard, Source
 from .command import CommandSource
 from .files import FileSource
 from .function import FunctionSource
+from .mix import MixSource
 
-__all__ = ["CachingSource", "CommandSource", "FileSource", "FunctionSource", "RawShard", "Source"]
+__all__ = ["CachingSource", "CommandSource", "FileSource", "FunctionSource", "MixSource",
+           "RawShard", "Source"]

@@ -23,18 +23,26 @@ from ..errors import CorruptShard, LoaderClosed, ShardError, UnsafeKey, UnsafeSh
 from ..keys import Keys, check_keys, keys_for_epoch, validate_key
 from ..shardfile import load_shard
 
-__all__ = ["CachingSource", "LOAD_ATTEMPTS", "RawShard", "Source", "run_elsewhere"]
+__all__ = ["CachingSource", "LOAD_ATTEMPTS", "NAMESPACE_SEPARATOR", "RawShard", "Source",
+           "run_elsewhere"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 LOAD_ATTEMPTS = 3  # a shard evicted by another process between lookup and load is made again
+#: Between a namespace and a shard's name in the cache (``recent+2024-01-08``): a character
+#: :func:`~gluon_stream.keys.validate_key` allows, and that no namespace may contain.
+NAMESPACE_SEPARATOR = "+"
 
 
 @dataclass
 class RawShard:
-    """One produced shard before the user's transform: arrays plus where they came from."""
+    """One produced shard before the user's transform: arrays plus where they came from.
+
+    ``source`` names the source it came from within a :class:`~gluon_stream.MixSource`
+    (None for a source used alone).
+    """
 
     key: Any
     epoch: int
@@ -43,6 +51,7 @@ class RawShard:
     cache_hit: bool = False
     generate_s: float = 0.0
     load_s: float = 0.0
+    source: str | None = None
 
 
 class Source(Closing):
@@ -125,6 +134,7 @@ class CachingSource(Source):
             if cache_dir is not None else None)
         self._mmap = mmap
         self._recorded: dict[str, Any] | None = None  # sizes recorded in the cache, once read
+        self._namespace: str | None = None
 
     @property
     def cached(self) -> bool:
@@ -140,8 +150,47 @@ class CachingSource(Source):
         raise NotImplementedError
 
     def shard_name(self, key: Any, epoch: int) -> str:
-        """The shard's file name in the cache (without suffix)."""
+        """The shard's own name (validated; without namespace and suffix)."""
         return validate_key(key)
+
+    @property
+    def namespace(self) -> str | None:
+        """The prefix of this source's shard names in the cache (None: no prefix)."""
+        return self._namespace
+
+    def set_namespace(self, namespace: str) -> None:
+        """Cache this source's shards as ``<namespace>+<shard name>``, apart from those of
+        other sources in the same ``cache_dir`` whose keys may be equal. A
+        :class:`~gluon_stream.MixSource` gives each caching source its name as namespace.
+
+        Raises:
+            UnsafeKey: ``namespace`` is not a safe file name, or contains ``'+'``.
+            ValueError: The source has another namespace already (it is in another mix).
+
+        Example:
+            >>> from gluon_stream import FunctionSource
+            >>> src = FunctionSource(range(2), lambda k: [k])
+            >>> src.set_namespace("recent")
+            >>> src.cache_name(1, epoch=0)
+            'recent+1'
+        """
+        if NAMESPACE_SEPARATOR in str(namespace):
+            raise UnsafeKey(f"namespace {namespace!r} must not contain {NAMESPACE_SEPARATOR!r}: "
+                            "it separates the namespace from the shard's name")
+        validate_key(namespace)
+        if self._namespace is not None and self._namespace != namespace:
+            raise ValueError(f"this {type(self).__name__} caches its shards under namespace "
+                             f"{self._namespace!r} already (it is part of another MixSource); "
+                             f"create a separate source for {namespace!r}")
+        self._namespace = namespace
+
+    def cache_name(self, key: Any, epoch: int) -> str:
+        """The shard's name in the cache (without suffix): :meth:`shard_name`, after the
+        :attr:`namespace` if there is one. Every lookup, lock and recorded size uses it."""
+        name = self.shard_name(key, epoch)
+        if self._namespace is None:
+            return name
+        return validate_key(f"{self._namespace}{NAMESPACE_SEPARATOR}{name}")
 
     def _require_cache(self) -> ShardCache:
         if self._cache is None:
@@ -155,7 +204,7 @@ class CachingSource(Source):
         """
         t0 = time.perf_counter()
         path, hit = self._require_cache().get_or_create(
-            self.shard_name(key, epoch), lambda: self._create(key, epoch), self.recipe(key, epoch))
+            self.cache_name(key, epoch), lambda: self._create(key, epoch), self.recipe(key, epoch))
         return path, hit, time.perf_counter() - t0
 
     def produce(self, key: Any, epoch: int, executor: Any = None) -> RawShard:
@@ -176,7 +225,7 @@ class CachingSource(Source):
         if finite and self._cache is not None:
             seen: dict[str, Any] = {}
             for key in keys:
-                name = self.shard_name(key, epoch)  # validates the key
+                name = self.cache_name(key, epoch)  # validates the key
                 other = seen.setdefault(name, key)
                 if not _same_key(other, key):
                     raise UnsafeKey(
@@ -188,7 +237,7 @@ class CachingSource(Source):
     def num_samples(self, key: Any, epoch: int) -> int | None:
         if self._cache is None:
             return None
-        return self._cache.num_samples(self.shard_name(key, epoch), self.recipe(key, epoch))
+        return self._cache.num_samples(self.cache_name(key, epoch), self.recipe(key, epoch))
 
     def unknown_size_reason(self) -> str:
         if self._cache is None:
@@ -204,7 +253,7 @@ class CachingSource(Source):
             return None
         if self._recorded is None:
             self._recorded = dict(self._cache.recorded_sizes())
-        entry = self._recorded.get(self.shard_name(key, epoch))
+        entry = self._recorded.get(self.cache_name(key, epoch))
         if entry is None or entry.get("recipe") != _recipe_digest(self.recipe(key, epoch)):
             return None
         return int(entry["samples"])
@@ -213,7 +262,7 @@ class CachingSource(Source):
         """Record ``{key: samples}`` of shards in the cache, so that loaders know them ahead
         (:meth:`known_size`); ``gluon-stream generate`` does this once it has filled it."""
         self._require_cache().record_sizes(
-            {self.shard_name(key, epoch): {"samples": int(n),
+            {self.cache_name(key, epoch): {"samples": int(n),
                                            "recipe": _recipe_digest(self.recipe(key, epoch))}
              for key, n in sizes.items()})
 
@@ -227,7 +276,7 @@ class CachingSource(Source):
             path, hit, _ = run_elsewhere(executor, _ensure_remote, self, key, epoch)
             yield path, hit
             return
-        with cache.pinned(self.shard_name(key, epoch), lambda: self._create(key, epoch),
+        with cache.pinned(self.cache_name(key, epoch), lambda: self._create(key, epoch),
                           self.recipe(key, epoch)) as found:
             yield found
 
