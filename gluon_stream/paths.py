@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import itertools
+import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -66,13 +67,17 @@ class SlicePath:
         # bound methods: the stream compares prepare by identity
         self.prepare = self._ordered if mixed else self._to_ndarrays
         self._mixer: cf.ThreadPoolExecutor | None = None
+        # one shard copied at a time: while a shard is copied its source and its NDArray both
+        # exist, and producers copying at once held one such pair each (memory over its bound)
+        self._copying = threading.Lock()
 
     def _to_ndarrays(self, arrays: tuple, order: np.ndarray | None, what: str) -> tuple:
         """Producer-side: the shard's rows in ``order`` as NDArrays (one copy, off the loop's path)."""
         check_batchable(arrays, what=what)
         if not len(arrays[0]):
             return arrays
-        return tuple(mx_arrays.to_ndarray(a, self.ctx, order) for a in arrays)
+        with self._copying:
+            return tuple(mx_arrays.to_ndarray(a, self.ctx, order) for a in arrays)
 
     @staticmethod
     def _ordered(arrays: tuple, order: np.ndarray | None, what: str) -> tuple:
@@ -118,8 +123,13 @@ class SlicePath:
             for batch in plan.batches():  # only the joined batch opens with carried samples
                 parts = carry.take_all() if batch is plan.joined else []
                 own = batch.segments[-1]
-                parts.append(tuple(a[own.start:own.stop] for a in arrays))
+                piece = tuple(a[own.start:own.stop] for a in arrays)
                 self._left -= 1
+                if not self._left and not parts:
+                    # the unit's last batch is a copy: a slice would keep the whole unit alive
+                    # while the loop holds the batch and waits for the next shard
+                    piece = tuple(a.copy() for a in piece)
+                parts.append(piece)
                 yield batch, _as_batch(_join(parts))
             feed.done(unit, plan)
             del unit, arrays, item
