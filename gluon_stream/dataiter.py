@@ -8,7 +8,10 @@ StreamIter adapts a loader to that contract:
 * the first batch is produced when the shapes are first asked for, and then handed out
   first, so nothing is produced twice;
 * a short last batch (``last_batch='keep'``) is padded to ``batch_size`` by repeating its
-  own samples, and ``getpad()`` says how many are padding (as ``NDArrayIter`` does);
+  own samples, and ``getpad()`` says how many are padding (as ``NDArrayIter`` does); with
+  ``even_batches='pad'`` the loader's padding is marked the same way, and batches that are
+  all padding are left out (``Module.predict`` trims ``pad`` rows and cannot keep none;
+  ``Module.score`` reads no ``pad`` at all and counts padding rows, as with ``NDArrayIter``);
 * the batches are the loader's own NDArrays: each shard is a new NDArray and batches are
   slices of it, never overwritten later, so holding on to a batch (as ``PrefetchingIter``
   does) is safe;
@@ -27,6 +30,7 @@ import numpy as np
 
 from ._closing import Closing
 from ._mx import data_iter_base, require_mxnet
+from ._mx.padding import pad_rows
 from .loader import StreamLoader
 
 __all__ = ["StreamIter"]
@@ -103,6 +107,7 @@ class StreamIter(data_iter_base(), Closing):
         self._batches: Iterator[Any] | None = None  # the current pass over the loader
         self._taken = 0  # batches handed out in the current pass
         self._peeked: list | None = None  # arrays of a batch produced but not handed out yet
+        self._peeked_pad = 0  # ... and its padding rows, as the loader marked them
         self._exhausted = False
         self._current: Any = None  # (data, label, pad) of the current batch
         self._provide: tuple[list, list] | None = None
@@ -161,7 +166,7 @@ class StreamIter(data_iter_base(), Closing):
         if self._provide is None:  # from the batch in hand: next() may come before provide_data
             self._provide = self._describe(arrays)
         self._taken += 1
-        self._current = self._split(arrays)
+        self._current = self._split(arrays, self._peeked_pad)
         return True
 
     def next(self) -> Any:
@@ -221,11 +226,17 @@ class StreamIter(data_iter_base(), Closing):
             if self._batches is None:
                 self._batches = iter(self.loader)
             batch = next(self._batches, None)
+            while batch is not None and self.loader.pad >= self.batch_size:
+                # even_batches='pad': a batch that is all padding keeps ranks' step counts
+                # equal in a Gluon loop; Module's loops do not synchronise ranks per batch, and
+                # its predict cannot cut a batch down to no rows (MXNet 1.x has no empty arrays)
+                batch = next(self._batches, None)
             if batch is None:
                 self._exhausted = True
                 self._batches = None
             else:
                 self._peeked = self._check(batch)
+                self._peeked_pad = self.loader.pad  # even_batches='pad': rows of padding
         return self._peeked
 
     def _check(self, batch: Any) -> list:
@@ -245,19 +256,14 @@ class StreamIter(data_iter_base(), Closing):
                              f"batch_size={self.batch_size}")
         return arrays
 
-    def _split(self, arrays: list) -> tuple[list, list, int]:
+    def _split(self, arrays: list, marked: int = 0) -> tuple[list, list, int]:
+        """Inputs, labels and padding rows: a short batch is padded here, as NDArrayIter pads
+        (its rows, then its rows again); a full one keeps the padding the loader marked."""
         pad = self.batch_size - int(arrays[0].shape[0])
         if pad:
-            arrays = [self._pad(a, pad) for a in arrays]
+            arrays = pad_rows(arrays, self.batch_size)
         n = len(self.data_names)
-        return arrays[:n], arrays[n:], pad
-
-    def _pad(self, arr: Any, pad: int) -> Any:
-        """A new NDArray of ``batch_size`` samples: the batch, then its samples repeated."""
-        n = int(arr.shape[0])
-        idx = np.arange(n + pad) % n
-        return self._mx.nd.take(arr, self._mx.nd.array(idx, ctx=arr.context, dtype="int64"),
-                                axis=0)
+        return arrays[:n], arrays[n:], pad or marked
 
 
 def _names(arg: str, names: Any) -> list[str]:

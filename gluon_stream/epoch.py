@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from ._mx import arrays as mx_arrays
+from ._mx.padding import pad_rows
 from ._random import batch_seed
 from .batching import Batch, BatchPlanner, Position, Segment, WindowMixer
 from .errors import InvalidState, StreamError
@@ -37,32 +38,51 @@ class PassSettings:
     batch_size: int
     last_batch: str
     window: int  # shuffle_window
-    even: bool  # even_batches
+    even: bool | str  # even_batches: False, True or 'pad'
     progress: bool | str = False
     ctx: Any = None  # place batches here (None: where the path makes them)
 
 
 class EvenBatches:
-    """even_batches on one part: only full batches and, with a ``limit`` (shards dealt to the
-    parts, sizes known), exactly ``limit`` of them; a part that runs short (skipped shards,
-    shards smaller than declared) repeats its last full batch. Its position is that batch."""
+    """even_batches on one part, and its position (the last batch, to repeat).
 
-    def __init__(self, batch_size: int, limit: int | None, start: LoaderState) -> None:
+    ``True``: only full batches and, with a ``limit`` (shards dealt to the parts, sizes known),
+    exactly ``limit`` of them; a part that runs short (skipped shards, shards smaller than
+    declared) repeats its last full batch. ``'pad'``: every batch, the short last one padded to
+    ``batch_size``, then the last batch repeated as padding up to ``limit`` (None: the largest
+    part's count, known once the epoch's shards are seen: ``lead`` counts its samples).
+    """
+
+    def __init__(self, batch_size: int, limit: int | None, start: LoaderState,
+                 pad: bool = False) -> None:
         self.batch_size = batch_size
         self.limit = limit
-        self.repeat: tuple[Segment, ...] = start.repeat if limit is not None else ()
+        self.pad = pad
+        kept = limit is not None or pad
+        self.repeat: tuple[Segment, ...] = start.repeat if kept else ()
         self.repeat_number = start.repeat_number
         self.repeat_data: Any = None  # the repeated batch's data, once known
+        self.lead = start.lead  # samples of the largest part in the shards before the run's
 
     def admits(self, batch: Batch) -> bool:
-        """Whether a planned batch is delivered: a short one never is."""
-        return batch.size == self.batch_size
+        """Whether a planned batch is delivered: a short one only with padding."""
+        return self.pad or batch.size == self.batch_size
+
+    def padding(self, batch: Batch) -> int:
+        """Rows of padding a planned batch gets."""
+        return self.batch_size - batch.size if self.pad else 0
 
     def reached(self, delivered: int) -> bool:
         return self.limit is not None and delivered >= self.limit
 
+    def count(self, lead: int) -> int | None:
+        """The batches every part yields, given the largest part's samples (``'pad'``)."""
+        if self.limit is not None or not self.pad:
+            return self.limit
+        return -(-lead // self.batch_size)
+
     def delivered(self, batch: Batch, data: Any, number: int) -> None:
-        if self.limit is not None:  # kept only to repeat it; it pins its shard
+        if self.limit is not None or self.pad:  # kept only to repeat it; it pins its shard
             self.repeat, self.repeat_number, self.repeat_data = batch.segments, number, data
 
 
@@ -79,9 +99,12 @@ class EpochPass:
         self.stream, self.path, self.settings = stream, path, settings
         self.start = self.state = start
         self.carry = carry  # the data of start's carry, when the last pass rolled it over
-        self.even = EvenBatches(settings.batch_size, limit, start) if settings.even else None
+        self.even = (EvenBatches(settings.batch_size, limit, start, settings.even == "pad")
+                     if settings.even else None)
         self.expected = expected  # batches in the epoch, for the progress bar
         self.finished = False
+        self.pad = 0  # padding rows of the batch yielded last
+        self._full_sizes: dict[int, int] = {}  # shard position -> samples, for the lead
         self.names: tuple[str, ...] | None = None  # the arrays' names, once a batch is made
 
     @property
@@ -145,6 +168,9 @@ class EpochPass:
             for planned, batch in batches:
                 if even is not None and not even.admits(planned):
                     continue  # even_batches: only full batches
+                pad = even.padding(planned) if even is not None else 0
+                if pad:
+                    batch = pad_rows(batch, settings.batch_size)
                 now = clock()
                 if record.first_batch_s is None:
                     record.first_batch_s = now - t_start
@@ -165,21 +191,29 @@ class EpochPass:
                     even.delivered(planned, batch, delivered - 1)
                     if even.reached(delivered):
                         after = after.ended()
-                self._advance(after, delivered, run.skipped_at, units)
+                    elif after.end:  # 'pad': padding batches may follow the last one
+                        after = Position(after.epoch, after.unit)
+                self._full_sizes.update(feed.full_sizes)
+                self._advance(after, delivered, run.skipped_at,
+                              None if even is not None and even.pad else units)
                 if bar is not None:
                     record.wall_s = now - t_start
                     bar.update(record, run.ready_ahead())
                 self.names = feed.names
+                self.pad = pad
                 yield batch
                 waiting_since = clock()
                 stats.add_span("train", "busy", now, waiting_since)
                 if after.end:
                     break  # even_batches: every part stops after the same number of batches
             end = self.state.position if self.state.position.end else feed.end
-            if even is not None and not even.reached(delivered) and even.limit is not None:
+            self._full_sizes.update(feed.full_sizes)
+            count = even.count(self._lead(run.index)) \
+                if even is not None else None
+            if count is not None and delivered < count:
                 assert feed.end is not None
                 stop = Position(run.epoch, feed.end.unit)  # the repeats come after the units
-                yield from self._repeat(even, delivered, run, record, stop)
+                yield from self._repeat(even, delivered, count, run, record, stop)
                 end = stop.ended()
             assert end is not None  # the feed ended (a failure raised above)
             self._advance(end, self.state.delivered, run.skipped_at)
@@ -211,9 +245,9 @@ class EpochPass:
         pass).
         """
         settings = self.settings
+        tail_due = position.carry and settings.last_batch == "keep" and settings.even is not True
         if units is not None and not position.end and position.unit >= units \
-                and not position.offset and not (position.carry and settings.last_batch == "keep"
-                                                 and not settings.even):
+                and not position.offset and not tail_due:
             position = Position(position.epoch, position.unit, 0,
                                 position.carry if settings.last_batch == "rollover" else (),
                                 True)
@@ -229,15 +263,24 @@ class EpochPass:
             first[e] = min(first.get(e, unit), WindowMixer.first_shard(unit, window))
         skipped = {(e, j) for e, j in self.start.skipped if j >= first.get(e, j + 1)}
         skipped |= {(epoch, j) for j in skipped_at if j >= first.get(epoch, j + 1)}
-        self.state = LoaderState(position, delivered, tuple(sorted(skipped)), repeat, number)
+        lead = 0 if position.end or even is None or not even.pad else \
+            self._lead(WindowMixer.first_shard(position.unit, window))  # where a resume's run starts
+        self.state = LoaderState(position, delivered, tuple(sorted(skipped)), repeat, number,
+                                 lead)
 
-    def _repeat(self, even: EvenBatches, delivered: int, run: EpochRun, record: EpochRecord,
-                stop: Position) -> Iterator[Any]:
-        """even_batches: skipped shards (or shards smaller than declared) left this part short
-        of the count every part yields; repeat its last batch, so that synchronous training
-        does not wait for it forever."""
-        assert even.limit is not None
-        missing = even.limit - delivered
+    def _lead(self, before: int) -> int:
+        """even_batches='pad': the largest part's samples in the shards before position
+        ``before`` (those a resume does not produce again)."""
+        lead = self.even.lead if self.even is not None else 0
+        share = self.stream.part_share
+        return lead + sum(share(n, 0) for j, n in self._full_sizes.items() if j < before)
+
+    def _repeat(self, even: EvenBatches, delivered: int, count: int, run: EpochRun,
+                record: EpochRecord, stop: Position) -> Iterator[Any]:
+        """even_batches: this part is short of the ``count`` every part yields (skipped shards,
+        shards smaller than declared; with ``'pad'``, a smaller part); repeat its last batch
+        (as padding with ``'pad'``), so that synchronous training does not wait for it."""
+        missing = count - delivered
         data = even.repeat_data
         if data is None and even.repeat:  # resumed while repeating: make that batch again
             chunks = self._rebuild(even.repeat, self.start.skipped)
@@ -245,21 +288,24 @@ class EpochPass:
                                                      even.repeat_number))
             if self.settings.ctx is not None:
                 data = mx_arrays.place(data, self.settings.ctx)
+            data = pad_rows(data, self.settings.batch_size)
         if data is None:
             stream = self.stream
             raise StreamError(
                 f"part {stream.part_index} of {stream.num_parts} has no batch to give in "
                 f"epoch {run.epoch} ({run.skipped} shard(s) skipped) while the others yield "
-                f"{even.limit}: synchronous training cannot go on; see the warnings above")
-        logger.warning("epoch %d: part %d of %d is %d batch(es) short of the %d every part "
-                       "yields (even_batches=True; %d shard(s) skipped); repeating its last "
-                       "batch %d time(s)", run.epoch, self.stream.part_index,
-                       self.stream.num_parts, missing, even.limit, run.skipped, missing)
+                f"{count}: synchronous training cannot go on; see the warnings above")
+        if not even.pad:
+            logger.warning("epoch %d: part %d of %d is %d batch(es) short of the %d every part "
+                           "yields (even_batches=True; %d shard(s) skipped); repeating its last "
+                           "batch %d time(s)", run.epoch, self.stream.part_index,
+                           self.stream.num_parts, missing, count, run.skipped, missing)
         for _ in range(missing):
             record.batches += 1
             delivered += 1
-            self._advance(stop.ended() if even.reached(delivered) else stop, delivered,
+            self._advance(stop.ended() if delivered >= count else stop, delivered,
                           run.skipped_at)
+            self.pad = self.settings.batch_size if even.pad else 0
             yield data
 
     # -- a resumed position's data ----------------------------------------------------------

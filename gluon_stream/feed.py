@@ -93,6 +93,7 @@ class UnitFeed:
         self.shard_wait_s = 0.0  # time spent waiting for shards to be produced, in total
         self.mix_wait_s = 0.0  # time spent waiting for a window's unit to be gathered
         self.samples = 0  # samples of the shards handed out
+        self.full_sizes: dict[int, int] = {}  # their samples before ranks took their parts
         self.names: tuple[str, ...] | None = None  # the arrays' names, where they have some
         self._ended = False
 
@@ -123,6 +124,7 @@ class UnitFeed:
     def _accept(self, shard: Shard) -> None:
         self.record.peak_prefetch = max(self.record.peak_prefetch, self.run.ready_ahead() + 1)
         self.samples += len(shard)
+        self.full_sizes[shard.index] = shard.full_size
         self.names = shard.names
 
     def next(self) -> tuple[Any, UnitPlan] | None:

@@ -101,11 +101,15 @@ class StreamLoader(Closing):
             ``'auto'`` reads them from ``kvstore``, Horovod or the launcher's environment.
         kvstore: An MXNet kvstore to read the rank from with ``'auto'``.
         even_batches: Every part yields the same number of batches per epoch, so synchronous
-            training never waits on a rank that ran out. With every shard's size known ahead
-            (``shard_sizes=``, ``FileSource`` headers) the shards are dealt to the parts and each
-            yields the smallest part's count of full batches; otherwise every rank produces every
-            shard and takes its stride of each one's samples (``deal='samples'`` on the stream:
-            equal counts with no size known; pair it with a shared ``cache_dir``).
+            training never waits on a rank that ran out. ``True`` (for training): only full
+            batches; with every shard's size known ahead (``shard_sizes=``, ``FileSource``
+            headers, a cache filled by ``gluon-stream generate``) the shards are dealt to the
+            parts and each yields the smallest part's count; otherwise every rank produces
+            every shard and takes its stride of each one's samples (``deal='samples'``: equal
+            counts with no size known; pair it with a shared ``cache_dir``). ``'pad'`` (for
+            exact evaluation): every sample of the epoch once among the parts' real rows; every
+            part yields the largest part's count of batches of ``batch_size`` rows, the last
+            ones padded at their end (:attr:`pad` says how many rows are padding).
         shard_sizes: Samples per shard after ``transform``, when headers cannot tell (for
             ``len()`` and ``even_batches``): ``{key: samples}``, ``fn(key)``, or one int for
             every shard.
@@ -148,7 +152,7 @@ class StreamLoader(Closing):
                  schema: Sequence[tuple[Any, Sequence[int]]] | None = _validate.UNSET,
                  stats: Stats | None = _validate.UNSET, progress: bool = False,
                  num_parts: int | str = _validate.UNSET, part_index: int | str = _validate.UNSET,
-                 kvstore: Any = _validate.UNSET, even_batches: bool = False,
+                 kvstore: Any = _validate.UNSET, even_batches: bool | str = False,
                  shard_sizes: Mapping[Any, int] | Callable[[Any], int] | int | None
                  = _validate.UNSET, num_epochs: int | None = _validate.UNSET,
                  ctx: Any = None, shards_on_ctx: bool = False) -> None:
@@ -157,9 +161,15 @@ class StreamLoader(Closing):
         self.last_batch = _validate.choice("last_batch", last_batch, LAST_BATCH_MODES)
         self.num_workers = _validate.integer("num_workers", num_workers, minimum=0)
         self.timeout = _validate.seconds("timeout", timeout)
-        if even_batches and last_batch == "rollover":
+        if even_batches not in (True, False, "pad"):
+            raise ValueError(f"even_batches must be True, False or 'pad', got {even_batches!r}")
+        if even_batches is True and last_batch == "rollover":
             raise ValueError("even_batches=True delivers only full batches, so last_batch='rollover' "
                              "has nothing to roll over; use last_batch='keep' or 'discard'")
+        if even_batches == "pad" and last_batch != "keep":
+            raise ValueError(f"even_batches='pad' yields every sample once, the last batch padded; "
+                             f"last_batch={last_batch!r} would drop or carry samples: use "
+                             "last_batch='keep'")
         _validate.callable_or_none("sample_transform", sample_transform)
         _validate.callable_or_none("batchify_fn", batchify_fn)
         self.sample_format = _validate.choice("sample_format", sample_format, SAMPLE_FORMATS)
@@ -179,21 +189,23 @@ class StreamLoader(Closing):
                 parts, index = resolve_parts(given.get("num_parts", 1), given.get("part_index", 0),
                                              kvstore=given.get("kvstore"))
                 if parts > 1:  # equal counts without sizes: every rank takes its stride
-                    given.update(num_parts=parts, part_index=index, deal="samples")
-                    logger.info("even_batches=True with shard sizes unknown: every rank produces "
-                                "every shard and takes its stride of the samples (deal='samples')")
+                    deal = "strides" if even_batches == "pad" else "samples"
+                    given.update(num_parts=parts, part_index=index, deal=deal)
+                    logger.info("even_batches=%r with shard sizes unknown: every rank produces "
+                                "every shard and takes its stride of the samples (deal=%r)",
+                                even_batches, deal)
             stream, owns = ShardStream(source, **given), True
         self.shuffle_window = _validate.integer("shuffle_window", shuffle_window, minimum=1)
         if self.shuffle_window > 1 and not stream.shuffle:
             raise ValueError(f"shuffle_window={shuffle_window} mixes the samples of several "
                              "shards for shuffle=True; pass shuffle=True (and a seed)")
-        if even_batches and stream.deal == "samples" and stream.on_error == "skip":
+        if even_batches and stream.deal != "shards" and stream.on_error == "skip":
             raise ValueError(
                 "even_batches=True with on_error='skip' cannot keep every rank's batch count "
                 "equal when shard sizes are unknown: a shard that fails on one rank only leaves "
                 "that rank short, and synchronous training hangs. Pass shard_sizes= (a rank short "
                 "of samples then repeats its last batch), or on_error='raise' or ('retry', n)")
-        self.even_batches = bool(even_batches)
+        self.even_batches: bool | str = even_batches
         self.thread_pool = thread_pool
         self.batchify_fn = batchify_fn
         self.sample_transform = sample_transform
@@ -292,11 +304,17 @@ class StreamLoader(Closing):
                 "ahead with gluon-stream generate, or read existing files with FileSource; sizes "
                 "of shards seen in an earlier pass are reused when the data cannot change")
 
+    @property
+    def pad(self) -> int:
+        """Rows at the end of the batch just yielded that are padding (``even_batches='pad'``),
+        as ``DataBatch.pad``: 0 for every batch but an epoch's last ones."""
+        return self._pass.pad if self._pass is not None else 0
+
     def _num_batches(self, epoch: int, carried: int = 0) -> int | None:
         """Batches epoch ``epoch`` yields from its start (``carried``: samples rolled over)."""
         if self.even_batches:
             limit = self._even_limit(epoch)
-            if limit is not None:
+            if limit is not None or self.even_batches == "pad":
                 return limit
         total = self.stream.epoch_size(epoch)
         if total is None:
@@ -307,8 +325,14 @@ class StreamLoader(Closing):
     def _even_limit(self, epoch: int) -> int | None:
         """With even_batches, the batch count every part yields in ``epoch``: the smallest
         part's full batches, by the declared or known sizes. None where the parts hold equal
-        counts by construction (``deal='samples'``, or one part): every full batch."""
+        counts by construction (``deal='samples'``, or one part): every full batch.
+
+        With ``'pad'``: the largest part's batches, the last one short; None where that is
+        only known once the epoch's shards are seen (``deal='strides'``, or one part)."""
         stream = self.stream
+        if self.even_batches == "pad":
+            sizes = stream.part_sizes(epoch)
+            return None if sizes is None else -(-max(sizes) // self.batch_size)
         if not self.even_batches or stream.deal == "samples" or stream.num_parts == 1:
             return None
         sizes = stream.part_sizes(epoch)

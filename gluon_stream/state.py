@@ -24,8 +24,8 @@ __all__ = ["STATE_VERSION", "LoaderState", "decode_state", "encode_state", "keys
 
 STATE_VERSION = 3
 _JSON_KEY = (str, int, float)
-_FIELDS = {"version", "epoch", "end", "unit", "offset", "batches", "carry", "skipped", "repeat",
-           "settings", "digest"}
+_FIELDS = {"version", "epoch", "end", "unit", "offset", "batches", "carry", "skipped",
+           "settings", "digest"}  # and, where they apply, "repeat", "lead" and "keys"
 
 #: ``epoch_keys(epoch)``: an epoch's shard order for this part (None: an endless iterator).
 EpochKeys = Callable[[int], "Sequence[Any] | None"]
@@ -44,6 +44,8 @@ class LoaderState:
         repeat: even_batches: the last full batch delivered, repeated by a part that runs
             short of the batch count every part yields (empty before the first one).
         repeat_number: That batch's number in the epoch (its random augmentation).
+        lead: even_batches='pad' without sizes known ahead: the largest part's samples in the
+            shards before the position's, which the batch count every part yields needs.
     """
 
     position: Position
@@ -51,6 +53,7 @@ class LoaderState:
     skipped: tuple[tuple[int, int], ...] = ()
     repeat: tuple[Segment, ...] = ()
     repeat_number: int = 0
+    lead: int = 0
 
     @property
     def epoch(self) -> int:
@@ -93,6 +96,8 @@ def encode_state(state: LoaderState, settings: Mapping[str, Any],
                  "settings": dict(settings)}
     if state.repeat:
         out["repeat"] = {"batch": state.repeat_number, "segments": _segments(state.repeat)}
+    if state.lead:
+        out["lead"] = state.lead
     if epoch_keys is not None:
         seen = list(epoch_keys[:position.unit + 1])
         out["keys"] = {"count": len(seen), "digest": keys_digest(seen),
@@ -116,7 +121,7 @@ def decode_state(state: Any, settings: Mapping[str, Any], batch_size: int,
     if "version" in state and state["version"] != STATE_VERSION:
         raise InvalidState(f"state field 'version' is {state['version']!r}; this gluon_stream "
                            f"reads version {STATE_VERSION} (save the state again with it)")
-    missing = (_FIELDS - {"repeat"}) - set(state)
+    missing = _FIELDS - set(state)
     if missing:
         raise InvalidState(f"not a StreamLoader state: missing {sorted(missing)}")
     _check_checksum(state)
@@ -133,7 +138,9 @@ def decode_state(state: Any, settings: Mapping[str, Any], batch_size: int,
     skipped = _positions(state["skipped"], epoch)
     repeat, number = (), 0
     if state.get("repeat") is not None:
-        repeat, number = _repeat(state["repeat"], epoch, batch_size, delivered)
+        repeat, number = _repeat(state["repeat"], epoch, batch_size, delivered,
+                                 settings.get("even_batches") == "pad")
+    lead = _int(state, "lead") if "lead" in state else 0
     if position.end and position.offset:
         raise InvalidState("state fields 'end' and 'offset' disagree: an ended epoch has no row "
                            "to read")
@@ -141,7 +148,7 @@ def decode_state(state: Any, settings: Mapping[str, Any], batch_size: int,
     _check_keys(state, epoch, position.unit, keys)
     for segment in position.carry + repeat:
         _check_segment_key(segment, epoch_keys(segment.epoch) if segment.epoch != epoch else keys)
-    return LoaderState(position, delivered, skipped, repeat, number)
+    return LoaderState(position, delivered, skipped, repeat, number, lead)
 
 
 def _check_checksum(state: Mapping[str, Any]) -> None:
@@ -182,13 +189,14 @@ def _positions(values: Any, epoch: int) -> tuple[tuple[int, int], ...]:
     return out
 
 
-def _repeat(value: Any, epoch: int, batch_size: int, delivered: int
+def _repeat(value: Any, epoch: int, batch_size: int, delivered: int, padded: bool
             ) -> tuple[tuple[Segment, ...], int]:
     if not isinstance(value, Mapping) or {"batch", "segments"} - set(value):
         raise InvalidState(f"state field 'repeat' must have batch and segments, got {value!r}")
     number = _int(value, "batch")
     segments = _segment_list(value["segments"], "repeat.segments", epoch)
-    if sum(s.size for s in segments) != batch_size or number >= delivered:
+    size = sum(s.size for s in segments)
+    if not (size == batch_size or padded and 0 < size < batch_size) or number >= delivered:
         raise InvalidState(f"state field 'repeat' is not a full batch delivered before: "
                            f"{value!r} (batch_size={batch_size}, {delivered} delivered)")
     return segments, number

@@ -42,7 +42,7 @@ __all__ = ["EpochRun", "Prepare", "Shard", "ShardStream"]
 
 logger = logging.getLogger(__name__)
 
-DEAL_MODES = ("shards", "samples")
+DEAL_MODES = ("shards", "samples", "strides")
 WAIT_SLICE_S = 0.5  # how often a waiting consumer re-checks for close()
 CLOSE_WAIT_S = 2.0  # how long close() waits for producer threads to finish their shard
 _END = object()
@@ -64,6 +64,7 @@ class Shard:
     arrays: tuple
     record: ShardRecord | None = field(repr=False, default=None)
     names: tuple[str, ...] | None = None  # the arrays' names (a dict's keys), if they have any
+    full_size: int = -1  # the shard's samples before ranks took their part of them
 
     def __len__(self) -> int:
         return int(self.arrays[0].shape[0])
@@ -183,6 +184,8 @@ class ShardStream(Closing):
             stride of each one's samples (after the shard's shuffle), ``n // num_parts`` apiece,
             so the parts hold equal counts without knowing any size ahead (dropping fewer than
             ``num_parts`` samples per shard); pair it with a shared ``cache_dir``.
+            ``'strides'``: the same strides with nothing dropped (parts may differ by one
+            sample per shard; ``even_batches='pad'`` evens them out with padding).
         generate_ahead: With a ``cache_dir``, producers that would otherwise sit idle generate
             up to this many shards beyond the ``prefetch`` window into the cache (disk, not
             memory), in key order: a shard that takes long to generate no longer holds up the
@@ -243,7 +246,7 @@ class ShardStream(Closing):
         self.stats = stats if stats is not None else Stats()
         self.epoch = 0
         self._next_run: EpochRun | None = None
-        self._sizes: dict[tuple, int] = {}
+        self._full_sizes: dict[tuple, int] = {}  # (key, epoch or None) -> samples seen
         if isinstance(shard_sizes, int) and not isinstance(shard_sizes, bool):
             shard_sizes = _validate.integer("shard_sizes", shard_sizes, minimum=0)
         elif shard_sizes is not None and not (callable(shard_sizes)
@@ -338,29 +341,44 @@ class ShardStream(Closing):
         order = None
         if self.shuffle and length > 1:
             order = seeded_rng(self.seed, epoch, key_hash(key)).permutation(length)
-        if self.deal == "samples" and self.num_parts > 1:
+        if self.deal in ("samples", "strides") and self.num_parts > 1:
             rows = np.arange(length) if order is None else order
-            order = rows[self.part_index::self.num_parts][:length // self.num_parts]
+            order = rows[self.part_index::self.num_parts]
+            if self.deal == "samples":
+                order = order[:length // self.num_parts]
         return order
 
-    def shard_size(self, key: Any, epoch: int) -> int | None:
-        """This part's samples of a shard after transform, if known without producing it.
+    def part_share(self, full: int, part: int | None = None) -> int:
+        """Samples a part takes of a shard of ``full`` samples."""
+        parts = self.num_parts
+        if self.deal == "samples" and parts > 1:
+            return full // parts
+        if self.deal == "strides" and parts > 1:
+            return len(range(self.part_index if part is None else part, full, parts))
+        return full
+
+    def shard_size(self, key: Any, epoch: int, part: int | None = None) -> int | None:
+        """A part's samples of a shard after transform (this part's by default), if known
+        without producing it (see :meth:`full_size`)."""
+        full = self.full_size(key, epoch)
+        return None if full is None else self.part_share(full, part)
+
+    def full_size(self, key: Any, epoch: int) -> int | None:
+        """A shard's samples after transform, before ranks take their parts, if known without
+        producing it.
 
         Sizes every rank knows alike come first: declared ones (``shard_sizes=``), then those
         the source knows ahead (headers, a cache filled by ``gluon-stream generate``); they are
         never replaced by what a shard turned out to hold, so batch counts agree across ranks.
+        Then sizes seen in an earlier pass (when the data cannot change), then cached headers.
         """
         n = self.declared_size(key)
         if n is None and self.transform is None:
             n = self.source.known_size(key, epoch)  # the same on every rank
         if n is None:
-            n = self._sizes.get((key, epoch), self._sizes.get((key, None)))  # seen: this part's
-            if n is not None:
-                return n
-            if self.transform is None:
-                n = self.source.num_samples(key, epoch)
-        if n is not None and self.deal == "samples":
-            n //= self.num_parts
+            n = self._full_sizes.get((key, epoch), self._full_sizes.get((key, None)))
+        if n is None and self.transform is None:
+            n = self.source.num_samples(key, epoch)
         return n
 
     def declared_size(self, key: Any) -> int | None:
@@ -384,7 +402,7 @@ class ShardStream(Closing):
             return None
         total = 0
         for key in keys:
-            n = self.shard_size(key, epoch)
+            n = self.shard_size(key, epoch, part_index)
             if n is None:
                 return None
             total += n
@@ -505,7 +523,8 @@ class ShardStream(Closing):
                               f"(file {raw.path!r}, epoch {epoch})")
                 raise
             arrays = normalize_arrays(value, what=f"transform output of shard {key!r}")
-        order = self.row_order(key, epoch, len(arrays[0]))
+        full_size = len(arrays[0])
+        order = self.row_order(key, epoch, full_size)
         if run is not None and run.cancelled:
             raise LoaderClosed("epoch pass cancelled")
         names = names_of(arrays)
@@ -513,7 +532,7 @@ class ShardStream(Closing):
             arrays = prepare(arrays, order, f"shard {key!r} (file {raw.path!r}, epoch {epoch})")
         elif order is not None:
             arrays = tuple(a[order] for a in arrays)  # not np.take: it copies a strided input
-        shard = Shard(key, epoch, index, arrays, names=names)
+        shard = Shard(key, epoch, index, arrays, names=names, full_size=full_size)
         t2 = clock()
         gen_end = t0 + raw.generate_s
         load_end = gen_end + raw.load_s
@@ -534,10 +553,10 @@ class ShardStream(Closing):
                 f"[(dtype, trailing shape)], but {self._schema} was expected (from the first "
                 "shard or schema=); every shard must batch together")
 
-    def _remember_size(self, key: Any, epoch: int, size: int) -> None:
-        self._sizes[(key, epoch)] = size
+    def _remember_size(self, key: Any, epoch: int, shard: Shard) -> None:
+        self._full_sizes[(key, epoch)] = shard.full_size
         if not self.source.per_epoch:
-            self._sizes[(key, None)] = size
+            self._full_sizes[(key, None)] = shard.full_size
 
     # -- lifecycle ------------------------------------------------------------------------
     def close(self) -> None:
@@ -765,7 +784,7 @@ class EpochRun:
                     return None
                 raise
             stream.stats.add_shard(shard.record)
-            stream._remember_size(key, self.epoch, len(shard))
+            stream._remember_size(key, self.epoch, shard)
             expected = stream.shard_size(key, self.epoch) if stream.declared_size(key) \
                 is not None else None
             if expected is not None and expected != len(shard):

@@ -18,6 +18,10 @@ of features and interruptions and compare the batches exactly:
   part takes its stride of every shard's rows (``deal='samples'``).
 * **even_batches.** Every part yields only full batches, and (shards dealt, sizes declared)
   the smallest part's count of them: a part that skipped shards repeats its last batch.
+  ``even_batches='pad'`` instead keeps every sample: every part yields the largest part's count
+  of batches, all of ``batch_size`` rows; a short last batch is padded with its own rows
+  repeated, then the last batch is repeated as padding; ``pad`` counts the padding rows.
+  Without sizes, parts take strides of every shard whole (``deal='strides'``).
 """
 from __future__ import annotations
 
@@ -81,6 +85,8 @@ def shard_rows(cfg: Config, epoch: int, part: int, key: Any) -> list[int]:
         rows = [int(r) for r in _rng(cfg.seed, epoch, key_hash(key)).permutation(size)]
     if cfg.deal == "samples" and cfg.num_parts > 1:
         rows = rows[part::cfg.num_parts][:size // cfg.num_parts]
+    if cfg.deal == "strides" and cfg.num_parts > 1:
+        rows = rows[part::cfg.num_parts]
     return rows
 
 
@@ -111,12 +117,23 @@ def epoch_units(cfg: Config, epoch: int, part: int) -> list[list]:
 
 def part_total(cfg: Config, epoch: int, part: int) -> int:
     """A part's samples in an epoch as the declared sizes count them (even_batches' limit)."""
-    sizes = cfg.declared if cfg.declared is not None else cfg.sizes
-    total = 0
+    sizes = cfg.declared if cfg.declared is not None else {  # what the parts see
+        key: 0 if key in cfg.failing else n for key, n in cfg.sizes.items()}
+    total, parts = 0, cfg.num_parts
     for key in epoch_keys(cfg, epoch, part):
         n = sizes[key]
-        total += n // cfg.num_parts if cfg.deal == "samples" and cfg.num_parts > 1 else n
+        if cfg.deal == "samples" and parts > 1:
+            n //= parts
+        elif cfg.deal == "strides" and parts > 1:
+            n = len(range(part, n, parts))
+        total += n
     return total
+
+
+def pad_count(cfg: Config, epoch: int) -> int:
+    """even_batches='pad': the batches every part yields (the largest part's, rounded up)."""
+    most = max(part_total(cfg, epoch, p) for p in range(cfg.num_parts))
+    return -(-most // cfg.batch_size)
 
 
 def even_limit(cfg: Config, epoch: int) -> int | None:
@@ -126,11 +143,34 @@ def even_limit(cfg: Config, epoch: int) -> int | None:
     return min(part_total(cfg, epoch, p) for p in range(cfg.num_parts)) // cfg.batch_size
 
 
+def padded(cfg: Config, epochs: int, part: int | None = None) -> list[list[tuple]]:
+    """even_batches='pad': every epoch's ``(sample ids, padding rows)`` for one part."""
+    part = cfg.part_index if part is None else part
+    bs = cfg.batch_size
+    out = []
+    for epoch in range(epochs):
+        stream = [s for unit in epoch_units(cfg, epoch, part) for s in unit]
+        epoch_batches = [(stream[i:i + bs], 0) for i in range(0, len(stream), bs)]
+        if epoch_batches and len(epoch_batches[-1][0]) < bs:
+            tail = epoch_batches[-1][0]
+            epoch_batches[-1] = (tail + [tail[i % len(tail)] for i in range(bs - len(tail))],
+                                 bs - len(tail))
+        count = pad_count(cfg, epoch)
+        if len(epoch_batches) < count:
+            if not epoch_batches:
+                raise NoBatchToRepeat(f"epoch {epoch}: part {part} has no batch")
+            epoch_batches += [(epoch_batches[-1][0], bs)] * (count - len(epoch_batches))
+        out.append(epoch_batches[:count])
+    return out
+
+
 def batches(cfg: Config, epochs: int, part: int | None = None) -> list[list[list]]:
     """Every epoch's batches (lists of sample ids) for one part: ``result[epoch][i]``.
 
     Raises :class:`NoBatchToRepeat` for an epoch in which even_batches cannot be kept.
     """
+    if cfg.even_batches == "pad":
+        return [[ids for ids, _ in epoch] for epoch in padded(cfg, epochs, part)]
     part = cfg.part_index if part is None else part
     bs = cfg.batch_size
     carry: list = []

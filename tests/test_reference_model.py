@@ -40,11 +40,12 @@ def configs(draw):
     shuffle = draw(st.booleans())
     window = draw(st.integers(1, 3)) if shuffle else 1
     parts = draw(st.integers(1, 3))
-    even = draw(st.booleans())
-    last_batch = draw(st.sampled_from(["keep", "discard"] if even
+    even = draw(st.sampled_from([False, True, "pad"]))
+    last_batch = draw(st.sampled_from(["keep"] if even == "pad" else ["keep", "discard"] if even
                                       else ["keep", "discard", "rollover"]))
     known = draw(st.booleans())
-    deal = "samples" if even and parts > 1 and not known else "shards"
+    deal = ("strides" if even == "pad" else "samples") if even and parts > 1 and not known \
+        else "shards"
     failing = frozenset(draw(st.sets(st.sampled_from(keys)))) if keys and deal == "shards" \
         and draw(st.booleans()) else frozenset()
     declared = dict(sizes) if known else None
@@ -107,19 +108,27 @@ def _until(loader, cfg, epochs, state, cut, got, loop):
             loader.set_epoch(epoch)
         batches = iter(loader)
         for batch in batches:
-            got.append(batch_ids(batch))
+            got.append(seen(loader, batch))
             if cut is not None and len(got) == cut[0]:
                 if not cut[1]:
                     return loader.state_dict()  # after the batch, before StopIteration
                 following = next(batches, None)  # after StopIteration, if that was the last
                 if following is not None:
-                    got.append(batch_ids(following))
+                    got.append(seen(loader, following))
                     return loader.state_dict()
                 return loader.state_dict()
     return None
 
 
+def seen(loader, batch):
+    """A batch's sample ids; with even_batches='pad', with its padding rows."""
+    ids = batch_ids(batch)
+    return (ids, loader.pad) if loader.even_batches == "pad" else ids
+
+
 def expected(cfg, epochs):
+    if cfg.even_batches == "pad":
+        return [b for epoch in model.padded(cfg, epochs) for b in epoch]
     return [b for epoch in model.batches(cfg, epochs) for b in epoch]
 
 
