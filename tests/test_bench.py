@@ -5,13 +5,15 @@ Behaviour only: no timing assertions (the figures depend on the machine).
 from __future__ import annotations
 
 import json
+import subprocess
 
 import mxnet as mx
+import numpy as np
 import pytest
 
 import gluon_stream as gs
 from _helpers import id_shards
-from gluon_stream.tools import bench
+from gluon_stream.tools import bench, generator
 from gluon_stream.cli import main
 
 pytestmark = pytest.mark.mxnet  # these tests use MXNet: warm its engine first
@@ -23,12 +25,16 @@ PIPELINE_FIGURES = {"wall_s", "x_ideal", "x_wave_bound", "first_batch_s", "stall
                     "rounds"}
 
 
+MANY_EPOCHS = ("stragglers", "window-epochs")  # tested apart, on smaller settings than the CLI's
+
+
 def test_bench_runs_end_to_end_and_json_has_every_contender_and_figure(tmp_path, capsys):
     out = tmp_path / "bench.json"
+    scenarios = ",".join(s for s in bench.SCENARIOS if s not in MANY_EPOCHS)
     status = main(["bench", "--rounds", "1", "--shards", "2", "--rows", "150", "--step-ms", "0",
                    "--delay", "0", "--throughput-samples", "300", "--throughput-batch-size", "64",
                    "--memory-rows", "200", "--memory-epochs", "2", "--persample-images", "40",
-                   "--no-warmup",
+                   "--no-warmup", "--scenarios", scenarios,
                    "--json", str(out)])
     assert status == 0
     printed = capsys.readouterr().out
@@ -56,7 +62,12 @@ def test_bench_runs_end_to_end_and_json_has_every_contender_and_figure(tmp_path,
                    for c in contenders.values())
     per = results["per-sample"]
     assert set(per["in_memory"]) == set(bench.PERSAMPLE_CONTENDERS)
-    assert all(c["samples_per_s"] > 0 for c in per["in_memory"].values())
+    assert all(c["samples_per_s"] > 0 and c["x_two_core_limit"] > 0
+               and set(c["cpu_ms_per_batch"]) == {"loop", "workers"}
+               for c in per["in_memory"].values())
+    assert per["in_memory"]["gluon_stream-nw2"]["cpu_ms_per_batch"]["workers"] > 0
+    assert per["in_memory"]["gluon_stream-nw2"]["cpu_x_two_core_limit"] > 0
+    assert per["in_memory"]["gluon_stream-nw0"]["cpu_x_two_core_limit"] is None
     assert set(per["streaming"]["contenders"]) == {"dataloader-per-shard", "gluon_stream"}
     assert per["streaming"]["ideal_s"] > 0
     assert per["rotation"]["step_ms"] > 0 and per["rotation"]["boundaries"] >= 1
@@ -65,7 +76,7 @@ def test_bench_runs_end_to_end_and_json_has_every_contender_and_figure(tmp_path,
     assert "per-sample" in printed and "placement" in printed and "shuffle_window" in printed
     memory = results["memory"]
     assert {"baseline_mb", "peak_over_baseline_mb", "bound_mb", "rss_slope_mb_per_epoch",
-            "rss_per_epoch_mb"} <= set(memory)
+            "rss_per_epoch_mb", "overhead_mb", "peak_over_import_baseline_mb"} <= set(memory)
     assert len(memory["rss_per_epoch_mb"]) == 2
     assert results["targets"] and all({"target", "value", "limit", "met"} <= set(t)
                                       for t in results["targets"])
@@ -115,3 +126,65 @@ def test_ideal_and_wave_bound():
     assert bench.ideal_time(1.0, 2.0, 0.0, 0.001, 700, 7, 2) == pytest.approx(8.0 + 0.1)
     # training-bound: the first shard plus every step
     assert bench.ideal_time(1.0, 0.1, 0.0, 0.01, 600, 6, 2) == pytest.approx(1.0 + 6.0)
+
+
+def test_stragglers_and_window_epochs_run_end_to_end_on_tiny_settings():
+    config = bench.BenchConfig(
+        workload=bench.Workload(shards=2, rows=150, step_ms=0), scenarios=MANY_EPOCHS,
+        rounds=1, delay=0.0, stragglers_dates=5, stragglers_batches=2, window_epochs=2,
+        warmup=False)
+    results = json.loads(json.dumps(bench.run_bench(config), default=str))
+    strag = results["stragglers"]
+    assert set(strag["contenders"]) == set(bench.STRAGGLER_CONTENDERS)
+    assert strag["workload"]["shards"] == 5 and strag["workload"]["delay_factors"] == [
+        ["s0004", 7.0]]  # every 5th date is a straggler
+    for name, figures in strag["contenders"].items():
+        # every date is 2 full batches: no leftovers, the same count for everyone
+        assert figures["batches"] == 10 and figures["x_ideal"] > 0, name
+    assert strag["ideal"]["wall_s"] > 0
+    assert set(strag["stragglers"]) >= {"generate_s", "straggler_generate_s", "keeps_up"}
+    windows = results["window-epochs"]
+    assert windows["epochs"] == 2 and set(windows["scenarios"]) == set(bench.PIPELINE_SCENARIOS)
+    for name, res in windows["scenarios"].items():
+        assert set(res["contenders"]) == set(bench.WINDOW_EPOCHS_CONTENDERS), name
+        assert res["workload"]["per_epoch"] and res["window_vs_1"] > 0, name
+        # 2 epochs of 2 shards x 134 samples, batch 64, last_batch='keep': 5 batches each
+        assert {c["batches"] for c in res["contenders"].values()} == {10}, name
+    printed = bench.format_results(results)
+    assert "stragglers:" in printed and "shuffle_window=4 against 1 over 2 epochs" in printed
+    names = " ".join(t["target"] for t in results["targets"])
+    assert "stragglers: gluon_stream x ideal" in names and "window-epochs balanced" in names
+
+
+def test_the_cli_runs_the_new_scenarios_by_name(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake(config):
+        seen["config"] = config
+        return {"targets": []}
+
+    monkeypatch.setattr(bench, "run_bench", fake)
+    assert main(["bench", "--scenarios", "stragglers,window-epochs"]) == 0
+    assert list(seen["config"].scenarios) == ["stragglers", "window-epochs"]
+
+
+def test_ideal_in_order_takes_dates_in_order_on_two_producers():
+    # the straggler (3 s, ready at 4 s) holds one producer while the other makes date 4 (ready
+    # at 2 s), which waits for the straggler's turn: 4 + 0.5 + 0.5
+    assert bench.ideal_in_order([1.0, 1.0, 3.0, 1.0], [1, 1, 1, 1], 0.5) == pytest.approx(5.0)
+    assert bench.ideal_in_order([1.0] * 4, [2] * 4, 1.0) == pytest.approx(1.0 + 8 * 1.0)
+
+
+def test_the_generator_sleeps_longer_for_straggling_keys_and_varies_per_epoch(tmp_path):
+    argv = generator.generator_command(20, 3, 0.01, delay_factors={"slow": 5.0}, per_epoch=True)
+    assert argv[-4:] == ["--delay-factor", "slow:5.0", "--epoch", "{epoch}"]
+    made = {}
+    for key, epoch in [("slow", 0), ("slow", 1), ("fast", 0)]:
+        path = tmp_path / f"{key}{epoch}.npy"
+        subprocess.run([a.replace("{key}", key).replace("{path}", str(path))
+                        .replace("{epoch}", str(epoch)) for a in argv], check=True)
+        made[key, epoch] = np.load(path)
+    np.testing.assert_array_equal(made["slow", 1], generator.generate("slow", 20, 3, 1))
+    assert not np.array_equal(made["slow", 0], made["slow", 1])
+    np.testing.assert_array_equal(generator.generate("fast", 20, 3),
+                                  generator.generate("fast", 20, 3))  # no epoch: as before

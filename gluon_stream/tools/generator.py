@@ -6,6 +6,10 @@ cost of producing data), then writes a deterministic raw time series of shape
 
     python -m gluon_stream.tools.generator --key 2024-01-01 --out shard.npy --rows 5000 --delay 0.2
 
+``--delay-factor KEY:FACTOR`` makes one key sleep ``FACTOR`` times ``--delay`` (a straggler: a
+date whose data takes longer to produce); ``--epoch`` makes the series differ per epoch (data
+produced anew every epoch, e.g. augmented, as ``{epoch}`` in a CommandSource's command does).
+
 :func:`make_windows` is the matching transform: sliding windows ``(n, time_steps, num_inputs)``
 plus labels, the time-series case gluon_stream was built for.
 """
@@ -16,16 +20,18 @@ import os
 import sys
 import time
 import zlib
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
 __all__ = ["generate", "generator_command", "make_windows"]
 
 
-def generate(key: str, rows: int, num_inputs: int) -> np.ndarray:
-    """The deterministic raw series for ``key``: a noisy sum of sines per input column."""
-    rng = np.random.default_rng(zlib.crc32(key.encode("utf-8")))
+def generate(key: str, rows: int, num_inputs: int, epoch: int | None = None) -> np.ndarray:
+    """The deterministic raw series for ``key`` (and ``epoch``, if given): a noisy sum of sines
+    per input column."""
+    seed = zlib.crc32(key.encode("utf-8"))
+    rng = np.random.default_rng(seed if epoch is None else [seed, epoch])
     t = np.arange(rows, dtype=np.float32)[:, None]
     freq = rng.uniform(0.01, 0.2, size=(1, num_inputs)).astype(np.float32)
     phase = rng.uniform(0, 2 * np.pi, size=(1, num_inputs)).astype(np.float32)
@@ -47,13 +53,34 @@ def make_windows(raw: np.ndarray, time_steps: int = 16) -> tuple[np.ndarray, np.
     return windows.transpose(0, 2, 1), raw[time_steps:, 0]
 
 
-def generator_command(rows: int, num_inputs: int, delay: float = 0.0) -> list[str]:
+def generator_command(rows: int, num_inputs: int, delay: float = 0.0, *,
+                      delay_factors: Mapping[str, float] | None = None,
+                      per_epoch: bool = False) -> list[str]:
     """The argv of this generator for a :class:`~gluon_stream.CommandSource`.
 
-    The script runs by path, not ``-m``, so the child never imports MXNet (a second of start-up).
+    ``delay_factors``: ``{key: factor}``, keys that sleep ``factor * delay`` (stragglers).
+    ``per_epoch``: the series differs per epoch (``{epoch}`` in the argv: the source makes and
+    caches shards per epoch). The script runs by path, not ``-m``, so the child never imports
+    MXNet (a second of start-up).
     """
-    return [sys.executable, os.path.abspath(__file__), "--key", "{key}", "--out", "{path}",
+    argv = [sys.executable, os.path.abspath(__file__), "--key", "{key}", "--out", "{path}",
             "--rows", str(rows), "--inputs", str(num_inputs), "--delay", str(delay)]
+    for key, factor in (delay_factors or {}).items():
+        argv += ["--delay-factor", f"{key}:{float(factor)!r}"]
+    if per_epoch:
+        argv += ["--epoch", "{epoch}"]
+    return argv
+
+
+def _delay_factor(text: str) -> tuple[str, float]:
+    key, sep, factor = text.rpartition(":")
+    try:
+        value = float(factor)
+    except ValueError:
+        value = -1.0
+    if not sep or value < 0:
+        raise argparse.ArgumentTypeError(f"expected KEY:FACTOR with FACTOR >= 0, got {text!r}")
+    return key, value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -64,11 +91,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=2000, help="time steps in the raw series")
     parser.add_argument("--inputs", type=int, default=8, help="input columns")
     parser.add_argument("--delay", type=float, default=0.0, help="seconds to sleep first")
+    parser.add_argument("--delay-factor", type=_delay_factor, action="append", default=[],
+                        metavar="KEY:FACTOR",
+                        help="key KEY sleeps FACTOR times --delay (repeatable)")
+    parser.add_argument("--epoch", type=int, default=None,
+                        help="make the series of this epoch (default: the same every epoch)")
     args = parser.parse_args(argv)
-    if args.delay > 0:
-        time.sleep(args.delay)
+    delay = args.delay * dict(args.delay_factor).get(args.key, 1.0)
+    if delay > 0:
+        time.sleep(delay)
     with open(args.out, "wb") as fp:
-        np.save(fp, generate(args.key, args.rows, args.inputs))
+        np.save(fp, generate(args.key, args.rows, args.inputs, args.epoch))
     return 0
 
 

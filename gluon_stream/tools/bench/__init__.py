@@ -31,7 +31,12 @@ generations (they finish together), the bound no schedule beats.
 ``StreamLoader``, for large (30x16) and small (8) float32 samples.
 
 ``memory``: ``StreamLoader`` over ``--memory-epochs`` epochs; peak RSS against the process
-baseline plus ``(prefetch + 2)`` shards, and the RSS slope per epoch.
+baseline plus ``(prefetch + 2)`` shards, and the RSS slope per epoch (see :mod:`.memory`).
+
+``stragglers``: 15 dates of 15 batches, every 5th date about 3x as long to generate, against
+an ideal of two producers taking the dates in order (see :mod:`.stragglers`).
+``window-epochs``: ``shuffle_window=4`` against 1 over 4 consecutive epochs of each pipeline
+scenario's workload (see :mod:`.window_epochs`).
 
 ``per-sample``: CIFAR-sized images with a numpy augmentation per sample, in memory against
 Gluon's DataLoader (0 workers, 2 processes, 2 threads) and streamed against a DataLoader per
@@ -55,18 +60,22 @@ from .placement import run_placement_scenario
 from .pipeline import (PIPELINE_CONTENDERS, PIPELINE_SCENARIOS, calibrate_delay,
                        run_pipeline_scenario)
 from .report import format_results, targets
+from .stragglers import STRAGGLER_CONTENDERS, ideal_in_order, run_stragglers_scenario
 from .throughput import THROUGHPUT_CONTENDERS, THROUGHPUT_SHAPES, mixing, run_throughput_scenario
+from .window_epochs import WINDOW_EPOCHS, WINDOW_EPOCHS_CONTENDERS, run_window_epochs_scenario
 from .workload import Workload, ideal_time, wave_bound
 
 __all__ = ["BenchConfig", "PERSAMPLE_CONTENDERS", "PIPELINE_CONTENDERS", "PIPELINE_SCENARIOS",
-           "SCENARIOS",
-           "THROUGHPUT_CONTENDERS", "THROUGHPUT_SHAPES", "Workload", "format_results",
+           "SCENARIOS", "STRAGGLER_CONTENDERS", "THROUGHPUT_CONTENDERS", "THROUGHPUT_SHAPES",
+           "WINDOW_EPOCHS_CONTENDERS", "Workload", "format_results", "ideal_in_order",
            "ideal_time", "run_bench", "run_memory_scenario", "run_pipeline_scenario",
-           "run_throughput_scenario", "wave_bound"]
+           "run_stragglers_scenario", "run_throughput_scenario", "run_window_epochs_scenario",
+           "wave_bound"]
 
 logger = logging.getLogger(__name__)
 
-SCENARIOS = (*PIPELINE_SCENARIOS, "throughput", "per-sample", "placement", "memory")
+SCENARIOS = (*PIPELINE_SCENARIOS, "throughput", "per-sample", "placement", "memory", "stragglers",
+             "window-epochs")
 
 
 @dataclass(frozen=True)
@@ -83,6 +92,9 @@ class BenchConfig:
     memory_rows: int = 78000  # 38.4 MB shards: large enough that shards, not overheads, dominate
     memory_epochs: int = 20
     persample_images: int = 1500
+    stragglers_dates: int = 15
+    stragglers_batches: int = 15  # full batches per date
+    window_epochs: int = WINDOW_EPOCHS
     warmup: bool = True
     argv: dict = field(default_factory=dict)
 
@@ -96,12 +108,19 @@ def run_bench(config: BenchConfig) -> dict:
     if config.warmup:
         logger.info("warm-up pass")
         run_pipeline_scenario("warm-up", replace(base, shards=2, delay=0.0), 1, config.contenders)
+    delays: dict[str, float] = {}
+
+    def delay_of(scenario: str) -> float:  # the generator's sleep in a pipeline scenario
+        if scenario not in delays:
+            delays[scenario] = config.delay if config.delay is not None else calibrate_delay(
+                base, PIPELINE_SCENARIOS[scenario], step_s)
+        return delays[scenario]
+
     for scenario in config.scenarios:
         t0 = time.perf_counter()
         if scenario in PIPELINE_SCENARIOS:
-            delay = config.delay if config.delay is not None else calibrate_delay(
-                base, PIPELINE_SCENARIOS[scenario], step_s)
-            results[scenario] = run_pipeline_scenario(scenario, replace(base, delay=delay),
+            results[scenario] = run_pipeline_scenario(scenario,
+                                                      replace(base, delay=delay_of(scenario)),
                                                       config.rounds, config.contenders)
         elif scenario == "throughput":
             results[scenario] = run_throughput_scenario(
@@ -118,9 +137,21 @@ def run_bench(config: BenchConfig) -> dict:
                                                        samples=config.throughput_samples,
                                                        batch_size=config.throughput_batch_size,
                                                        step_ms=base.step_ms, seed=base.seed)
-        else:
+        elif scenario == "memory":
             results[scenario] = run_memory_scenario(replace(base, rows=config.memory_rows),
                                                     config.memory_epochs)
+        elif scenario == "stragglers":
+            results[scenario] = run_stragglers_scenario(
+                base, config.rounds, config.contenders, delay=config.delay,
+                dates=config.stragglers_dates, batches=config.stragglers_batches)
+        elif scenario == "window-epochs":
+            workloads = {name: replace(base, delay=delay_of(name)) for name in PIPELINE_SCENARIOS}
+            results[scenario] = run_window_epochs_scenario(workloads, config.rounds,
+                                                           config.window_epochs,
+                                                           config.contenders)
+        else:
+            raise ValueError(f"unknown bench scenario {scenario!r}; choose from "
+                             f"{', '.join(SCENARIOS)}")
         logger.info("%s done in %.1f s", scenario, time.perf_counter() - t0)
     results["targets"] = targets(results)
     return results

@@ -14,9 +14,18 @@ the augmentation at the rate the in-memory StreamLoader reaches in the same roun
 ``rotation``: what switching to the next shard costs on this path (num_workers=2), with the
 shards in memory and a training step 1.5x a batch's augmentation, so that the workers can keep
 ahead; the streaming run's no-op step makes every batch wait for the workers.
+
+The limit of 2 processes on 2 cores is twice the single process's rate (``gluon_stream-nw0``,
+the loop's own thread, measured in each round): ``x_two_core_limit`` is a contender's rate
+against it. CPU time per batch (the loop's process, and its worker processes once reaped)
+tells the same on a shared machine, where other jobs take cores: ``cpu_x_two_core_limit`` is
+the single process's CPU per sample over the contender's, the fraction of the limit it
+reaches when CPU is all that bounds it (worker processes only: one process, or threads
+under the GIL, cannot fill 2 cores).
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Iterator
 
@@ -120,22 +129,50 @@ def _rotations(shards: list, batch_size: int, seed: int, step_s: float) -> list[
         return list(loader.stats.epochs[-1].rotation_s)
 
 
+REFERENCES = ("dataloader-nw2", "gluon_stream-nw0")  # always run: the ratios' denominators
+
+
+def _in_processes(name: str) -> bool:
+    """Whether a contender spreads its work over processes (its CPU can fill 2 cores)."""
+    return not name.endswith(("-nw0", "-threads"))
+
+
+def _cpu_s() -> tuple[float, float]:
+    """CPU seconds of this process and of its children reaped so far."""
+    t = os.times()
+    return t.user + t.system, t.children_user + t.children_system
+
+
 def run_persample_scenario(rounds: int, shards: int = 6, images: int = 1500,
                            batch_size: int = 64, seed: int = 0,
                            contenders: Any = None) -> dict:
-    """Samples/s in memory, and the streaming run against the usual advice and the ideal."""
+    """Samples/s and CPU per batch in memory, and the streaming run against the usual advice
+    and the ideal."""
     data = make_shards(shards, images, seed)
     chosen = [c for c in PERSAMPLE_CONTENDERS
-              if contenders is None or c in contenders or c == "dataloader-nw2"]
+              if contenders is None or c in contenders or c in REFERENCES]
     rates: dict[str, list[float]] = {c: [] for c in chosen}
+    cpu: dict[str, list[tuple[float, float]]] = {c: [] for c in chosen}  # per sample
     total = shards * images
     for _ in range(rounds):
         for name in chosen:
+            loop0, workers0 = _cpu_s()
             record = drive(_in_memory(name, data, batch_size, seed), _no_step, Probe())
+            loop1, workers1 = _cpu_s()
             rates[name].append(record.samples / record.wall_s)
-    base = rates["dataloader-nw2"]
+            cpu[name].append(((loop1 - loop0) / record.samples,
+                              (workers1 - workers0) / record.samples))
+    base, single = rates["dataloader-nw2"], rates["gluon_stream-nw0"]
+    single_cpu = [sum(c) for c in cpu["gluon_stream-nw0"]]
     in_memory = {c: {"samples_per_s": median(r),
                      "vs_dataloader_nw2": median([a / b for a, b in zip(r, base)]),
+                     "x_two_core_limit": median([a / (2 * b) for a, b in zip(r, single)]),
+                     "cpu_ms_per_batch": {
+                         "loop": median([1e3 * batch_size * x for x, _ in cpu[c]]),
+                         "workers": median([1e3 * batch_size * w for _, w in cpu[c]])},
+                     "cpu_x_two_core_limit": (median([s / sum(x) for x, s in
+                                                      zip(cpu[c], single_cpu)])
+                                              if _in_processes(c) else None),
                      "rounds": r} for c, r in rates.items()}
     gs_rate = median(rates.get("gluon_stream-nw2", base))
     delay = images / gs_rate  # generating a shard costs about as much as augmenting it

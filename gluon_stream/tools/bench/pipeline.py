@@ -20,12 +20,13 @@ import numpy as np
 from ... import CommandSource, ShardError, StreamLoader
 from ..._mx import data_iter_base, require_mxnet
 from ..._mx.dataloader import release_dataloader
-from ..generator import generator_command, make_windows
+from ..generator import make_windows
 from .measure import Probe, drive, make_step, median
 from .workload import Workload, ideal_time, wave_bound
 
-__all__ = ["GENERATOR_TIMEOUT_S", "PIPELINE_CONTENDERS", "PIPELINE_SCENARIOS",
-           "calibrate_delay", "run_pipeline_scenario"]
+__all__ = ["GENERATOR_TIMEOUT_S", "PIPELINE_CONTENDERS", "PIPELINE_SCENARIOS", "IdealFn",
+           "calibrate_delay", "generation_cost", "pipeline_ideal", "run_pipeline_scenario",
+           "stream_loader"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +40,8 @@ GENERATOR_TIMEOUT_S = 600.0
 def _generate(workload: Workload, key: str, directory: str) -> tuple[str, float]:
     """Run the generator for ``key`` into ``directory``; returns (path, seconds)."""
     path = os.path.join(directory, f"{key}.npy")
-    argv = [arg.replace("{key}", key).replace("{path}", path)
-            for arg in generator_command(workload.rows, workload.inputs, workload.delay)]
+    argv = [arg.replace("{key}", key).replace("{path}", path).replace("{epoch}", "0")
+            for arg in workload.command()]
     t0 = time.perf_counter()
     done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, timeout=GENERATOR_TIMEOUT_S, check=False)
@@ -70,7 +71,7 @@ def _naive(workload: Workload, directory: str, probe: Probe) -> Iterator[Any]:
 
     for index, key in enumerate(workload.keys()):
         data, label, costs = _prepare(workload, key, directory)
-        probe.components.append(costs)
+        probe.components.append(dict(costs, key=key))
         loader = gluon.data.DataLoader(gluon.data.ArrayDataset(data, label),
                                        batch_size=workload.batch_size, shuffle=True,
                                        last_batch="rollover")
@@ -181,17 +182,19 @@ def _prefetching_iter(workload: Workload, directory: str, probe: Probe) -> Itera
             _close_prefetching_iter(outer)
 
 
-def _stream_loader(options: dict, workload: Workload, directory: str, probe: Probe
-                   ) -> Iterator[Any]:
-    """StreamLoader over a CommandSource running the built-in generator."""
-    source = CommandSource(workload.keys(),
-                           generator_command(workload.rows, workload.inputs, workload.delay),
-                           cache_dir=directory, timeout=GENERATOR_TIMEOUT_S, retries=0)
+def stream_loader(options: dict, workload: Workload, directory: str, probe: Probe,
+                  epochs: int = 1) -> Iterator[Any]:
+    """StreamLoader over a CommandSource running the built-in generator, for ``epochs``
+    consecutive epochs of one loader."""
+    source = CommandSource(workload.keys(), workload.command(), cache_dir=directory,
+                           timeout=GENERATOR_TIMEOUT_S, retries=0)
     transform = functools.partial(make_windows, time_steps=workload.time_steps)
     with StreamLoader(source, batch_size=workload.batch_size, transform=transform,
                       shuffle=True, seed=workload.seed, **options) as loader:
-        yield from loader
-        probe.rotation_s.extend(loader.stats.epochs[-1].rotation_s)
+        for epoch in range(epochs):
+            loader.set_epoch(epoch)
+            yield from loader
+            probe.rotation_s.extend(loader.stats.epochs[-1].rotation_s)
 
 
 def _pipeline_contenders(workload: Workload) -> dict[str, tuple[Callable, dict]]:
@@ -216,13 +219,13 @@ def _pipeline_contenders(workload: Workload) -> dict[str, tuple[Callable, dict]]
                                                  "prefetch": workload.prefetch}),
     }
     for name, options in gs_options.items():
-        out[name] = (functools.partial(_stream_loader, options), options)
+        out[name] = (functools.partial(stream_loader, options), options)
     return out
 
 
 
-def _pipeline_ideal(workload: Workload, naive_probe: Probe, step_s: float
-                    ) -> tuple[float, float]:
+def pipeline_ideal(workload: Workload, naive_probe: Probe, step_s: float
+                   ) -> tuple[float, float]:
     """(ideal, wave bound) from the component costs ``naive`` measured in this round."""
     comps = naive_probe.components
     first = comps[0]
@@ -234,19 +237,32 @@ def _pipeline_ideal(workload: Workload, naive_probe: Probe, step_s: float
     return ideal_time(**kwargs), wave_bound(**kwargs)
 
 
+def generation_cost(workload: Workload) -> float:
+    """Seconds the generator takes for one shard of ``workload`` without sleeping (start-up and
+    writing; median of 3)."""
+    with tempfile.TemporaryDirectory(prefix="gluon_stream_bench_") as tmp:
+        costs = [_generate(replace(workload, delay=0.0, delay_factors=()), f"cal{i}", tmp)[1]
+                 for i in range(3)]
+    return statistics.median(costs)
+
+
 def calibrate_delay(workload: Workload, ratio: float, step_s: float) -> float:
     """Generator sleep that makes one shard's generation cost ``ratio`` x its training."""
-    with tempfile.TemporaryDirectory(prefix="gluon_stream_bench_") as tmp:
-        costs = [_generate(replace(workload, delay=0.0), f"cal{i}", tmp)[1] for i in range(3)]
-    base = statistics.median(costs)
     train = workload.samples_per_shard / workload.batch_size * step_s
-    return max(0.0, ratio * train - base)
+    return max(0.0, ratio * train - generation_cost(workload))
 
+
+
+IdealFn = Callable[[Workload, Probe, float], "tuple[float, float]"]
 
 
 def run_pipeline_scenario(name: str, workload: Workload, rounds: int,
-                          contenders: Sequence[str] | None = None) -> dict:
-    """Run one pipeline scenario: contenders interleaved for ``rounds`` rounds; raw figures."""
+                          contenders: Sequence[str] | None = None,
+                          ideal: IdealFn = pipeline_ideal) -> dict:
+    """Run one pipeline scenario: contenders interleaved for ``rounds`` rounds; raw figures.
+
+    ``ideal(workload, naive's probe, step s) -> (ideal s, wave bound s)`` from the component
+    costs ``naive`` measured in the same round (it always runs)."""
     step = make_step(workload)
     all_contenders = _pipeline_contenders(workload)
     chosen = [c for c in all_contenders if contenders is None or c in contenders or c == "naive"]
@@ -263,8 +279,8 @@ def run_pipeline_scenario(name: str, workload: Workload, rounds: int,
             runs[contender].append(asdict(record))
             logger.info("%s round %d %s: %.2f s", name, round_, contender, record.wall_s)
             if contender == "naive":
-                ideal, bound = _pipeline_ideal(workload, probe, record.step_s)
-                ideals.append(ideal)
+                best, bound = ideal(workload, probe, record.step_s)
+                ideals.append(best)
                 bounds.append(bound)
                 components.extend(probe.components)
     out: dict[str, Any] = {"workload": asdict(workload),
@@ -273,6 +289,9 @@ def run_pipeline_scenario(name: str, workload: Workload, rounds: int,
                                      "wave_bound_s": median(bounds)},
                            "components": {k: median([c[k] for c in components])
                                           for k in ("generate_s", "load_s", "transform_s")},
+                           "generate_s_by_key": {
+                               key: median([c["generate_s"] for c in components
+                                            if c["key"] == key]) for key in workload.keys()},
                            "contenders": {}}
     dl = runs.get("dataloader-per-shard")
     for contender in chosen:

@@ -56,11 +56,17 @@ def targets(results: dict) -> list[dict]:
                 0.9, ">=")
     per = results.get("per-sample")
     if per:
-        for name in ("gluon_stream-nw2", "gluon_stream-nw4"):
+        for name, limit in (("gluon_stream-nw2", 1.3), ("gluon_stream-nw4", 1.0)):
             c = per["in_memory"].get(name)
             if c:
                 add(f"per-sample in memory: {name} vs DataLoader(num_workers=2)",
-                    c["vs_dataloader_nw2"], 1.0, ">=")
+                    c["vs_dataloader_nw2"], limit, ">=")
+        c = per["in_memory"].get("gluon_stream-nw2")
+        if c and c.get("x_two_core_limit") is not None:
+            add("per-sample in memory: gluon_stream-nw2 x the 2-core limit",
+                c["x_two_core_limit"], 0.85, ">=")
+            add("per-sample in memory: gluon_stream-nw2 x the 2-core limit, by CPU time",
+                c["cpu_x_two_core_limit"], 0.85, ">=")
         stream = per["streaming"]
         add("per-sample streaming: gluon_stream vs a DataLoader per shard",
             stream["speedup_vs_dataloader_per_shard"], 1.5, ">=")
@@ -71,6 +77,12 @@ def targets(results: dict) -> list[dict]:
     if mem:
         add("memory: peak RSS over baseline, MB (limit: (prefetch+2) shards)",
             mem["peak_over_baseline_mb"], round(mem["bound_mb"], 2), "<=")
+    for name, c in results.get("stragglers", {}).get("contenders", {}).items():
+        if name.startswith("gluon_stream"):
+            add(f"stragglers: {name} x ideal", c["x_ideal"], 1.10, "<=")
+    for name, res in results.get("window-epochs", {}).get("scenarios", {}).items():
+        add(f"window-epochs {name}: shuffle_window=4 vs 1 over "
+            f"{results['window-epochs']['epochs']} epochs", res["window_vs_1"], 1.05, "<=")
     return out
 
 
@@ -135,10 +147,16 @@ def format_results(results: dict) -> str:
     if per:
         lines.append(f"\nper-sample ({per['shards']} shards x {per['images']} 32x32x3 images, "
                      f"numpy augmentation, batch {per['batch_size']}, no-op step), in memory:")
-        lines.append(f"  {'contender':<28}{'samples/s':>10}{'vs DataLoader(2 proc)':>23}")
+        lines.append(f"  {'contender':<28}{'samples/s':>10}{'vs DataLoader(2 proc)':>23}"
+                     f"{'x 2-core limit':>16}{'CPU ms/batch loop+workers':>27}"
+                     f"{'x limit by CPU':>16}")
         for name, c in per["in_memory"].items():
+            ms = c.get("cpu_ms_per_batch") or {}
             lines.append(f"  {name:<28}{fmt(c['samples_per_s'], '10.0f')}"
-                         f"{fmt(c['vs_dataloader_nw2'], '23.2f')}")
+                         f"{fmt(c['vs_dataloader_nw2'], '23.2f')}"
+                         f"{fmt(c.get('x_two_core_limit'), '16.2f')}"
+                         f"{fmt(ms.get('loop'), '19.2f')} +{fmt(ms.get('workers'), '6.2f')}"
+                         f"{fmt(c.get('cpu_x_two_core_limit'), '16.2f')}")
         st = per["streaming"]
         lines.append(f"  streaming (shards made on demand, {st['delay_s']:.2f} s each): ideal "
                      f"{st['ideal_s']:.2f} s; " + "; ".join(
@@ -164,7 +182,12 @@ def format_results(results: dict) -> str:
             f"baseline + {mem['peak_over_baseline_mb']:.1f} MB (bound {mem['bound_mb']:.1f} MB: "
             f"{'within' if mem['within_bound'] else 'OVER'}), RSS slope "
             f"{mem['rss_slope_mb_per_epoch']:+.3f} MB/epoch (second half "
-            f"{mem['rss_slope_second_half_mb_per_epoch']:+.3f})")
+            f"{mem['rss_slope_second_half_mb_per_epoch']:+.3f}); the loader's own memory "
+            f"(near-empty shards, in the baseline) {fmt(mem.get('overhead_mb'), '.1f')} MB, "
+            "peak over the baseline after import "
+            f"{fmt(mem.get('peak_over_import_baseline_mb'), '.1f')} MB")
+    lines.extend(_stragglers_lines(results.get("stragglers")))
+    lines.extend(_window_epochs_lines(results.get("window-epochs")))
     targets = results.get("targets")
     if targets:
         lines.append("\ntargets:")
@@ -179,3 +202,37 @@ def format_results(results: dict) -> str:
         lines.extend(f"  {scenario}: {Diagnosis(**verdict).headline}"
                      for scenario, verdict in verdicts)
     return "\n".join(lines)
+
+
+def _stragglers_lines(res: dict | None) -> list[str]:
+    if not res:
+        return []
+    st, w = res["stragglers"], res["workload"]
+    lines = [f"\nstragglers: {st['dates']} dates x {st['batches_per_date']} batches of "
+             f"{w['batch_size']}, step {w['step_ms']} ms; every {st['every']}th date's "
+             f"generator sleeps {st['sleep_factor']:g}x {w['delay']:.3f} s (generate "
+             f"{fmt(st['generate_s'], '.3f')} s, stragglers "
+             f"{fmt(st['straggler_generate_s'], '.3f')} s; mean generation / "
+             f"{st['producers']} producers = "
+             f"{fmt(st['keeps_up'], '.2f')} x a date's training); medians of "
+             f"{len(res['ideal']['rounds'])} rounds",
+             f"  {'contender':<26}{'epoch s':>8}{'x ideal':>8}{'vs dl':>7}{'stall %':>8}",
+             f"  {'ideal (2 producers)':<26}{fmt(res['ideal']['wall_s'], '8.2f')}{1.0:>8.2f}"]
+    for name, c in res["contenders"].items():
+        lines.append(f"  {name:<26}{fmt(c['wall_s'], '8.2f')}{fmt(c['x_ideal'], '8.2f')}"
+                     f"{fmt(c['speedup_vs_dataloader_per_shard'], '7.2f')}"
+                     f"{fmt(c['stall_pct'], '8.1f')}")
+    return lines
+
+
+def _window_epochs_lines(res: dict | None) -> list[str]:
+    if not res:
+        return []
+    lines = [f"\nshuffle_window={res['window']} against 1 over {res['epochs']} epochs "
+             "(producers 2, prefetch 2, new data every epoch), seconds per epoch:"]
+    for name, r in res["scenarios"].items():
+        c = r["contenders"]
+        lines.append(f"  {name:<18}" + "; ".join(
+            f"window {v['shuffle_window']}: {fmt(v['per_epoch_s'], '.2f')}" for v in c.values())
+            + f"; ratio {fmt(r['window_vs_1'], '.3f')}")
+    return lines

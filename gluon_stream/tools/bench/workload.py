@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..generator import generator_command
+
 __all__ = ["Workload", "ideal_time", "wave_bound"]
 
 
@@ -23,6 +25,8 @@ class Workload:
     producers: int = 2
     prefetch: int = 2
     seed: int = 0
+    delay_factors: tuple[tuple[str, float], ...] = ()  # (key, factor): keys that sleep longer
+    per_epoch: bool = False  # the generator makes new data every epoch
 
     @property
     def samples_per_shard(self) -> int:
@@ -40,6 +44,12 @@ class Workload:
 
     def keys(self) -> list[str]:
         return [f"s{i:04d}" for i in range(self.shards)]
+
+    def command(self) -> list[str]:
+        """The built-in generator's argv for this workload (``{key}``, ``{path}``, ``{epoch}``)."""
+        return generator_command(self.rows, self.inputs, self.delay,
+                                 delay_factors=dict(self.delay_factors),
+                                 per_epoch=self.per_epoch)
 
 
 def ideal_time(first_prep_s: float, generate_s: float, prep_s: float, step_s: float,
