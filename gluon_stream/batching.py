@@ -71,6 +71,7 @@ class Position:
     offset: int = 0
     carry: tuple[Segment, ...] = ()
     end: bool = False
+    taken: int = 0  # samples_per_epoch: samples the epoch read before this position
 
     @property
     def carried(self) -> int:
@@ -78,7 +79,7 @@ class Position:
 
     def ended(self) -> "Position":
         """This position, marked as the end of its epoch (nothing rolls over)."""
-        return Position(self.epoch, self.unit, 0, (), True)
+        return Position(self.epoch, self.unit, 0, (), True, self.taken)
 
     def next_epoch(self) -> "Position":
         """Where the next epoch starts once this one has ended: with what rolls over."""
@@ -118,6 +119,8 @@ class UnitPlan:
     joined: Batch | None
     full: range
     leftover: tuple[Segment, ...]
+    taken: int | None = None  # samples_per_epoch: the epoch's samples read before ``offset``
+    offset: int = 0  # the unit's first row read
 
     def batches(self) -> Iterator[Batch]:
         """The unit's batches in order."""
@@ -127,17 +130,19 @@ class UnitPlan:
         for begin in self.full:
             end = begin + bs
             yield Batch((Segment(self.epoch, self.unit, begin, end, self.key),),
-                        _after(self.epoch, self.unit, end, self.length))
+                        _after(self.epoch, self.unit, end, self.length,
+                               0 if self.taken is None else self.taken + end - self.offset))
 
     def __len__(self) -> int:
         return (self.joined is not None) + len(self.full)
 
 
-def _after(epoch: int, unit: int, stop: int, length: int) -> Position:
-    """The position once a batch ending at row ``stop`` of a unit of ``length`` is delivered."""
+def _after(epoch: int, unit: int, stop: int, length: int, taken: int = 0) -> Position:
+    """The position once a batch ending at row ``stop`` of a unit of ``length`` is delivered
+    (``taken``: the epoch's samples read up to it)."""
     if stop >= length:
-        return Position(epoch, unit + 1, 0)
-    return Position(epoch, unit, stop)
+        return Position(epoch, unit + 1, 0, taken=taken)
+    return Position(epoch, unit, stop, taken=taken)
 
 
 class BatchPlanner:
@@ -148,9 +153,13 @@ class BatchPlanner:
         last_batch: ``'keep'``, ``'discard'`` or ``'rollover'`` (the epoch's short tail).
         start: Where to begin: ``Position(epoch)`` for a fresh epoch; a delivered batch's
             ``after`` (or a rollover's carry) to continue exactly.
+        epoch_samples: Samples an epoch reads (``samples_per_epoch``): reading stops once
+            the epoch has read them (``start.taken`` before the start), inside a unit if need
+            be, and :meth:`finish` ends the epoch at that row. None: every unit whole.
     """
 
-    def __init__(self, batch_size: int, last_batch: str, start: Position) -> None:
+    def __init__(self, batch_size: int, last_batch: str, start: Position,
+                 epoch_samples: int | None = None) -> None:
         _validate.choice("last_batch", last_batch, LAST_BATCH_MODES)
         _validate.integer("batch_size", batch_size, minimum=1)
         if start.carried >= batch_size:
@@ -162,6 +171,9 @@ class BatchPlanner:
         self.epoch = start.epoch
         self._carry: list[Segment] = list(start.carry)
         self._next_unit = start.unit
+        self.epoch_samples = epoch_samples
+        self.taken = start.taken  # samples of the epoch read so far
+        self._resume = (start.unit, start.offset)  # where reading goes on: (unit, row)
 
     @property
     def carry(self) -> tuple[Segment, ...]:
@@ -188,29 +200,44 @@ class BatchPlanner:
             raise ValueError(f"the start position is row {offset} of unit {unit}, which holds "
                              f"only {length} samples: the data changed since it was saved")
         self._next_unit = unit + 1
+        read = length if self.epoch_samples is None else \
+            min(length, offset + max(0, self.epoch_samples - self.taken))
+        taken = self.taken
+        if self.epoch_samples is not None:  # positions say how much of the epoch is read
+            self.taken += read - offset
+        self._resume = (unit + 1, 0) if read >= length else (unit, read)
         bs = self.batch_size
         pos, joined = offset, None
-        if self._carry and pos < length:
-            take = min(bs - self.carried, length - pos)
+        carried_before = len(self._carry)  # segments of earlier adds: not this unit's leftover
+        if self._carry and pos < read:
+            take = min(bs - self.carried, read - pos)
             self._carry.append(Segment(self.epoch, unit, pos, pos + take, key))
             pos += take
             if self.carried == bs:
-                joined = Batch(tuple(self._carry), _after(self.epoch, unit, pos, length))
-                self._carry = []
+                joined = Batch(tuple(self._carry), _after(
+                    self.epoch, unit, pos, length,
+                    0 if self.epoch_samples is None else taken + pos - offset))
+                self._carry, carried_before = [], 0
         if self._carry:  # the unit did not complete the carried batch: all of it waits
             full = range(0)
         else:
-            stop = pos + (length - pos) // bs * bs
+            stop = pos + (read - pos) // bs * bs
             full = range(pos, stop, bs)
-            if stop < length:
-                self._carry = [Segment(self.epoch, unit, stop, length, key)]
-        leftover = tuple(s for s in self._carry if s.unit == unit and s.epoch == self.epoch)
-        return UnitPlan(self.epoch, unit, length, bs, key, joined, full, leftover)
+            if stop < read:
+                self._carry = [Segment(self.epoch, unit, stop, read, key)]
+        leftover = tuple(self._carry[carried_before:])
+        return UnitPlan(self.epoch, unit, length, bs, key, joined, full, leftover,
+                        None if self.epoch_samples is None else taken, offset)
 
     @property
     def position(self) -> Position:
-        """Where the planner stands: the next unit it expects (the state before its first add)."""
-        return Position(self.epoch, self._next_unit, 0, tuple(self._carry))
+        """Where the planner stands: where reading goes on, and what it carries."""
+        return Position(self.epoch, *self._resume, tuple(self._carry), taken=self.taken)
+
+    @property
+    def exhausted(self) -> bool:
+        """Whether the epoch read its ``epoch_samples``: it reads no more units."""
+        return self.epoch_samples is not None and self.taken >= self.epoch_samples
 
     def flush(self, unit: int) -> Batch | None:
         """Deliver the carried samples now, as a short batch, because unit ``unit`` failed
@@ -218,15 +245,15 @@ class BatchPlanner:
         carry, self._carry = self._carry, []
         if not carry or self.last_batch == "discard":
             return None
-        return Batch(tuple(carry), Position(self.epoch, unit, 0))
+        return Batch(tuple(carry), Position(self.epoch, unit, 0, taken=self.taken))
 
     def finish(self) -> tuple[Batch | None, Position]:
         """End of the epoch: the short tail as a batch with ``'keep'`` (else None), and the end
         position, which holds the tail with ``'rollover'`` (it opens the next epoch's first
         batch; see :meth:`Position.next_epoch`)."""
         carry, self._carry = tuple(self._carry), []
-        end = Position(self.epoch, self._next_unit, 0,
-                       carry if self.last_batch == "rollover" else (), True)
+        end = Position(self.epoch, *self._resume, carry if self.last_batch == "rollover" else (),
+                       True, self.taken)
         if not carry or self.last_batch != "keep":
             return None, end
         return Batch(carry, end), end

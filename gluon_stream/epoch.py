@@ -30,6 +30,8 @@ __all__ = ["EpochPass", "EvenBatches", "PassSettings"]
 
 logger = logging.getLogger(__name__)
 
+EMPTY_PASSES = 16  # samples_per_epoch: passes in a row that give a part no sample, at most
+
 
 @dataclass(frozen=True)
 class PassSettings:
@@ -41,6 +43,7 @@ class PassSettings:
     even: bool | str  # even_batches: False, True or 'pad'
     progress: bool | str = False
     ctx: Any = None  # place batches here (None: where the path makes them)
+    epoch_samples: int | None = None  # samples_per_epoch
 
 
 class EvenBatches:
@@ -54,10 +57,11 @@ class EvenBatches:
     """
 
     def __init__(self, batch_size: int, limit: int | None, start: LoaderState,
-                 pad: bool = False) -> None:
+                 pad: bool = False, counted: bool = True) -> None:
         self.batch_size = batch_size
         self.limit = limit
         self.pad = pad
+        self.counted = counted  # False with samples_per_epoch: every part reads as many
         kept = limit is not None or pad
         self.repeat: tuple[Segment, ...] = start.repeat if kept else ()
         self.repeat_number = start.repeat_number
@@ -77,13 +81,53 @@ class EvenBatches:
 
     def count(self, lead: int) -> int | None:
         """The batches every part yields, given the largest part's samples (``'pad'``)."""
-        if self.limit is not None or not self.pad:
+        if self.limit is not None or not self.pad or not self.counted:
             return self.limit
         return -(-lead // self.batch_size)
 
     def delivered(self, batch: Batch, data: Any, number: int) -> None:
         if self.limit is not None or self.pad:  # kept only to repeat it; it pins its shard
             self.repeat, self.repeat_number, self.repeat_data = batch.segments, number, data
+
+
+class _LoopClock:
+    """When the loop waited and trained: the epoch record's stall, spans and rotation times."""
+
+    def __init__(self, clock: Any, record: EpochRecord) -> None:
+        self.now, self.record = clock, record
+        self.start = self.waiting_since = clock()
+        self.run: EpochRun | None = None
+        self.feed: UnitFeed | None = None
+        self._arrived = self.start
+        self._last_unit: Any = None
+        self._shard_wait, self._waits = 0.0, 0
+
+    def new_run(self, run: EpochRun, feed: UnitFeed) -> None:
+        self.run, self.feed = run, feed
+        self._last_unit, self._shard_wait, self._waits = None, 0.0, 0
+
+    def arrived(self, planned: Batch) -> None:
+        """A batch is in the loop's hands: what it waited for it, and what switching cost."""
+        record, run, feed = self.record, self.run, self.feed
+        assert run is not None and feed is not None
+        now = self._arrived = self.now()
+        if record.first_batch_s is None:
+            record.first_batch_s = now - self.start
+        record.stall_s += now - self.waiting_since
+        unit = planned.segments[-1].unit
+        if self._last_unit is not None and unit != self._last_unit and run.waits == self._waits:
+            # the first batch of a shard that was produced in time: what switching to it cost
+            # (after a wait for production, refilling the workers is a stall)
+            waited = feed.shard_wait_s - self._shard_wait
+            record.rotation_s.append(max(0.0, now - self.waiting_since - waited))
+        self._last_unit, self._shard_wait, self._waits = unit, feed.shard_wait_s, run.waits
+        self.run.stream.stats.add_span("train", "wait", self.waiting_since, now)
+
+    def resumed(self) -> None:
+        """The loop asks for the next batch: it trained since the last one arrived."""
+        self.waiting_since = self.now()
+        assert self.run is not None
+        self.run.stream.stats.add_span("train", "busy", self._arrived, self.waiting_since)
 
 
 class EpochPass:
@@ -99,7 +143,8 @@ class EpochPass:
         self.stream, self.path, self.settings = stream, path, settings
         self.start = self.state = start
         self.carry = carry  # the data of start's carry, when the last pass rolled it over
-        self.even = (EvenBatches(settings.batch_size, limit, start, settings.even == "pad")
+        self.even = (EvenBatches(settings.batch_size, limit, start, settings.even == "pad",
+                                 counted=settings.epoch_samples is None)
                      if settings.even else None)
         self.expected = expected  # batches in the epoch, for the progress bar
         self.finished = False
@@ -124,117 +169,176 @@ class EpochPass:
     # -- the epoch's batches ----------------------------------------------------------------
     def _batches(self) -> Iterator[Any]:
         stream, path, settings, start = self.stream, self.path, self.settings, self.start
-        k = settings.window
         position = start.position
         if self.even is not None and self.even.reached(start.delivered):  # a limit of 0
-            self.stream.set_epoch(start.epoch + 1)
+            if settings.epoch_samples is None:
+                stream.set_epoch(start.epoch + 1)
             self._advance(position.ended(), start.delivered, ())
             self.finished = True
             return
-        run = stream.start_epoch(skip=WindowMixer.first_shard(position.unit, k),
-                                 prepare=path.prepare,
-                                 skipped=[j for e, j in start.skipped if e == start.epoch])
         stats = stream.stats
         clock = stats.clock
-        record = stats.new_epoch(run.epoch)
-        t_start = waiting_since = clock()
-        feed: UnitFeed | None = None
-        worker_wait = path.wait_s
-        bar = (ProgressBar(run.epoch, self.expected,
+        record = stats.new_epoch(start.epoch)
+        self._clock = _LoopClock(clock, record)
+        bar = (ProgressBar(start.epoch, self.expected,
                            live=True if settings.progress == "live" else None)
                if settings.progress else None)
+        worker_wait = path.wait_s
+        runs: list[tuple[EpochRun, UnitFeed]] = []
         try:
             carry = self.carry if self.carry is not None else \
                 self._rebuild_carry(position.carry, start.skipped)
             self.carry = carry  # what rolls over at the end, once the planner is done
-            planner = BatchPlanner(settings.batch_size, settings.last_batch, position)
-            if k > 1:
-                mixer = WindowMixer(k, stream.seed, run.epoch, first_unit=position.unit)
-                budget = max(stream.prefetch, k) + 1
-                feed = WindowFeed(run, planner, carry, path, record, mixer, budget)
-            else:
-                feed = UnitFeed(run, planner, carry, path, record)
             delivered = start.delivered
-            seed, epoch = stream.seed, run.epoch
-            batches = path.batches(feed, carry, first=delivered,
-                                   seed_of=lambda n: batch_seed(seed, epoch, n))
-            if settings.ctx is not None:
-                batches = _placed(batches, path, settings.ctx, record)
-            even = self.even
-            last_unit, shard_wait, waits = None, 0.0, 0
-            units = None if run.key_list is None else (
-                len(run.key_list) + k - 1 if k > 1 else len(run.key_list))
-            run.start()  # producers start on the first shards before anything below can wait
-            for planned, batch in batches:
-                if even is not None and not even.admits(planned):
-                    continue  # even_batches: only full batches
-                pad = even.padding(planned) if even is not None else 0
-                if pad:
-                    batch = pad_rows(batch, settings.batch_size)
-                now = clock()
-                if record.first_batch_s is None:
-                    record.first_batch_s = now - t_start
-                record.stall_s += now - waiting_since
-                unit = planned.segments[-1].unit
-                if last_unit is not None and unit != last_unit and run.waits == waits:
-                    # the first batch of a shard that was produced in time: what switching to
-                    # it cost (after a wait for production, refilling the workers is a stall)
-                    waited = feed.shard_wait_s - shard_wait
-                    record.rotation_s.append(max(0.0, now - waiting_since - waited))
-                last_unit, shard_wait, waits = unit, feed.shard_wait_s, run.waits
-                stats.add_span("train", "wait", waiting_since, now)
-                record.batches += 1
-                record.samples += planned.size
-                delivered += 1
-                after = planned.after
-                if even is not None:
-                    even.delivered(planned, batch, delivered - 1)
-                    if even.reached(delivered):
-                        after = after.ended()
-                    elif after.end:  # 'pad': padding batches may follow the last one
-                        after = Position(after.epoch, after.unit)
-                self._full_sizes.update(feed.full_sizes)
-                self._advance(after, delivered, run.skipped_at,
-                              None if even is not None and even.pad else units)
-                if bar is not None:
-                    record.wall_s = now - t_start
-                    bar.update(record, run.ready_ahead())
-                self.names = feed.names
-                self.pad = pad
-                yield batch
-                waiting_since = clock()
-                stats.add_span("train", "busy", now, waiting_since)
-                if after.end:
-                    break  # even_batches: every part stops after the same number of batches
+            empty = 0  # samples_per_epoch: passes in a row that read no sample
+            while True:  # one run per pass over the keys (several with samples_per_epoch)
+                run, feed = self._start_run(position, carry, record)
+                runs.append((run, feed))
+                for delivered, batch in self._deliver(run, feed, carry, delivered, record, bar):
+                    yield batch
+                if self.state.position.end or feed.final is not None or feed.failure is not None:
+                    break
+                assert feed.end is not None
+                if settings.epoch_samples is None or feed.end.end:
+                    break
+                # samples_per_epoch: the keys ran out before the epoch read its samples
+                if not run.finite:  # an endless key iterator that ended: the stream is over
+                    for delivered, batch in self._close(feed, carry, delivered, record, bar):
+                        yield batch
+                    break
+                whole = not position.unit and not position.offset
+                empty = empty + 1 if whole and feed.end.taken == position.taken else 0
+                if empty == EMPTY_PASSES:
+                    raise StreamError(
+                        f"samples_per_epoch={settings.epoch_samples}: {EMPTY_PASSES} passes "
+                        f"over the keys in a row (up to pass {run.epoch}) gave part "
+                        f"{stream.part_index} of {stream.num_parts} no sample; are the shards "
+                        "empty (a transform returning 0 rows), or skipped?")
+                position = Position(run.epoch + 1, 0, 0, feed.end.carry, taken=feed.end.taken)
+            run, feed = runs[-1]
             end = self.state.position if self.state.position.end else feed.end
             self._full_sizes.update(feed.full_sizes)
-            count = even.count(self._lead(run.index)) \
-                if even is not None else None
+            even = self.even
+            count = even.count(self._lead(run.index)) if even is not None else None
             if count is not None and delivered < count:
                 assert feed.end is not None
                 stop = Position(run.epoch, feed.end.unit)  # the repeats come after the units
                 yield from self._repeat(even, delivered, count, run, record, stop)
                 end = stop.ended()
             assert end is not None  # the feed ended (a failure raised above)
+            if settings.epoch_samples is not None and not end.end:
+                end = Position(end.epoch, end.unit, end.offset, end.carry, True, end.taken)
             self._advance(end, self.state.delivered, run.skipped_at)
             record.complete = True
             self.finished = True
             fresh = not start.delivered and position.unit == position.offset == 0
-            if not record.samples and fresh:
+            if not record.samples and fresh and settings.epoch_samples is None:
                 logger.warning("epoch %d delivered no samples: %s", run.epoch,
                                _empty_reason(run, feed, settings.batch_size,
                                              settings.last_batch))
         finally:
-            run.cancel()
-            record.skipped_shards = run.skipped
-            record.worker_wait_s += path.wait_s - worker_wait
-            if feed is not None:
+            for run, feed in runs:
+                run.cancel()
+                record.skipped_shards += run.skipped
                 record.shard_wait_s += feed.shard_wait_s
                 record.mix_wait_s += feed.mix_wait_s
-            record.wall_s = clock() - t_start
+            record.worker_wait_s += path.wait_s - worker_wait
+            record.wall_s = clock() - self._clock.start
             record.producers = stream.producers
             if bar is not None:
                 bar.close(record)
+
+    def _start_run(self, position: Position, carry: Carry,
+                   record: EpochRecord) -> tuple[EpochRun, UnitFeed]:
+        """Production of a pass over the keys from ``position``, and its feed of units."""
+        stream, settings, start = self.stream, self.settings, self.start
+        k = settings.window
+        if settings.epoch_samples is not None:
+            stream.set_epoch(position.epoch)  # the pass over the keys, not the loader's epoch
+        skip = WindowMixer.first_shard(position.unit, k)
+        run = stream.start_epoch(skip=skip, prepare=self.path.prepare,
+                                 skipped=[j for e, j in start.skipped if e == position.epoch])
+        if settings.epoch_samples is not None:
+            stream.forget_keys(position.epoch, skip)  # no later epoch starts before it
+        planner = BatchPlanner(settings.batch_size, settings.last_batch, position,
+                               settings.epoch_samples)
+        closes = settings.epoch_samples is None
+        if k > 1:
+            mixer = WindowMixer(k, stream.seed, run.epoch, first_unit=position.unit)
+            budget = max(stream.prefetch, k) + 1
+            return run, WindowFeed(run, planner, carry, self.path, record, mixer, budget, closes)
+        return run, UnitFeed(run, planner, carry, self.path, record, closes)
+
+    def _deliver(self, run: EpochRun, feed: UnitFeed, carry: Carry, delivered: int,
+                 record: EpochRecord, bar: ProgressBar | None) -> Iterator[tuple[int, Any]]:
+        """One run's batches, as the loop gets them: ``(batches delivered, batch)``."""
+        stream, path, settings = self.stream, self.path, self.settings
+        seed, epoch = stream.seed, self.start.epoch
+        batches = path.batches(feed, carry, first=delivered,
+                               seed_of=lambda n: batch_seed(seed, epoch, n))
+        if settings.ctx is not None:
+            batches = _placed(batches, path, settings.ctx, record)
+        even = self.even
+        k = settings.window
+        units = None if run.key_list is None or settings.epoch_samples is not None or (
+            even is not None and even.pad) else (
+            len(run.key_list) + k - 1 if k > 1 else len(run.key_list))
+        clock = self._clock
+        clock.new_run(run, feed)
+        run.start()  # producers start on the first shards before anything below can wait
+        for planned, batch in batches:
+            if even is not None and not even.admits(planned):
+                continue  # even_batches: only full batches
+            pad = even.padding(planned) if even is not None else 0
+            if pad:
+                batch = pad_rows(batch, settings.batch_size)
+            clock.arrived(planned)
+            record.batches += 1
+            record.samples += planned.size
+            delivered += 1
+            after = planned.after
+            if even is not None:
+                even.delivered(planned, batch, delivered - 1)
+                if even.reached(delivered):
+                    after = after.ended()
+                elif after.end and settings.epoch_samples is None:  # 'pad': more may follow
+                    after = Position(after.epoch, after.unit)
+            self._full_sizes.update(feed.full_sizes)
+            self._advance(after, delivered, run.skipped_at, units)
+            if bar is not None:
+                record.wall_s = clock.now() - clock.start
+                bar.update(record, run.ready_ahead())
+            self.names = feed.names
+            self.pad = pad
+            yield delivered, batch
+            clock.resumed()
+            if after.end:
+                break  # even_batches: every part stops after the same number of batches
+
+    def _close(self, feed: UnitFeed, carry: Carry, delivered: int, record: EpochRecord,
+               bar: ProgressBar | None) -> Iterator[tuple[int, Any]]:
+        """samples_per_epoch, the stream over: the epoch's tail (per last_batch) as its last
+        batch, the epoch ending where the stream did."""
+        final, end = feed.planner.finish()
+        feed.end = end
+        if final is None or (self.even is not None and not self.even.admits(final)):
+            return
+        chunks = carry.take_all()
+        batch = self.path.join(chunks, batch_seed(self.stream.seed, self.start.epoch,
+                                                  delivered))
+        if self.settings.ctx is not None:
+            batch = mx_arrays.place(batch, self.settings.ctx)
+        pad = self.even.padding(final) if self.even is not None else 0
+        if pad:
+            batch = pad_rows(batch, self.settings.batch_size)
+        record.batches += 1
+        record.samples += final.size
+        delivered += 1
+        if self.even is not None:
+            self.even.delivered(final, batch, delivered - 1)
+        self._advance(end, delivered, ())
+        self.pad = pad
+        yield delivered, batch
 
     def _advance(self, position: Position, delivered: int, skipped_at: Sequence[int],
                  units: int | None = None) -> None:
@@ -266,7 +370,7 @@ class EpochPass:
         lead = 0 if position.end or even is None or not even.pad else \
             self._lead(WindowMixer.first_shard(position.unit, window))  # where a resume's run starts
         self.state = LoaderState(position, delivered, tuple(sorted(skipped)), repeat, number,
-                                 lead)
+                                 lead, self.start.stream_epoch)
 
     def _lead(self, before: int) -> int:
         """even_batches='pad': the largest part's samples in the shards before position

@@ -84,9 +84,10 @@ class UnitFeed:
     """
 
     def __init__(self, run: EpochRun, planner: BatchPlanner, carry: Carry, path: Any,
-                 record: EpochRecord) -> None:
+                 record: EpochRecord, closes: bool = True) -> None:
         self.run, self.planner, self.carry, self.path, self.record = (run, planner, carry,
                                                                       path, record)
+        self.closes = closes  # the run's end is the epoch's (not so with samples_per_epoch)
         self.final: Batch | None = None
         self.end: Position | None = None  # where the epoch ends, once the units run out
         self.failure: BaseException | None = None
@@ -130,6 +131,9 @@ class UnitFeed:
     def next(self) -> tuple[Any, UnitPlan] | None:
         if self._ended:
             return None
+        if self.planner.exhausted:  # samples_per_epoch: the epoch read its samples
+            self._end(True)
+            return None
         shard = self._next_shard()
         if shard is None:
             if not self._ended:
@@ -137,9 +141,15 @@ class UnitFeed:
             return None
         return shard, self.planner.add(shard.index, len(shard), key=shard.key)
 
-    def _end(self) -> None:
+    def _end(self, closes: bool | None = None) -> None:
+        """No unit follows: end the epoch (its tail, :attr:`final`, per last_batch), or, where
+        the stream goes on past this run (``samples_per_epoch``), leave what the planner holds
+        to the next run."""
         self._ended = True
-        self.final, self.end = self.planner.finish()
+        if self.closes if closes is None else closes:
+            self.final, self.end = self.planner.finish()
+        else:
+            self.end = self.planner.position
 
     def done(self, unit: Any, plan: UnitPlan) -> None:
         for seg in plan.leftover:
@@ -160,8 +170,9 @@ class WindowFeed(UnitFeed):
     """
 
     def __init__(self, run: EpochRun, planner: BatchPlanner, carry: Carry, path: Any,
-                 record: EpochRecord, mixer: WindowMixer, budget: int) -> None:
-        super().__init__(run, planner, carry, path, record)
+                 record: EpochRecord, mixer: WindowMixer, budget: int,
+                 closes: bool = True) -> None:
+        super().__init__(run, planner, carry, path, record, closes)
         self.mixer = mixer
         self.budget = budget  # shards held here plus shards in flight
         self._shards: dict[int, Shard] = {}
@@ -174,6 +185,9 @@ class WindowFeed(UnitFeed):
                 or self._deferred is not None or self.run.ready())
 
     def next(self) -> tuple[Any, UnitPlan] | None:
+        if not self._ended and self.planner.exhausted:  # samples_per_epoch: the epoch is read
+            self._end(True)
+            return None
         while not self._units:
             if self._ended:
                 return None

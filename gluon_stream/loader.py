@@ -120,6 +120,13 @@ class StreamLoader(Closing):
             gives it (a list per array). The copy of the next batch is started before the
             current one is handed out, whenever the next one is ready, so it runs while the
             loop trains; batches never share memory with one the loop still has.
+        samples_per_epoch: Epochs of this many samples (per part) over the stream of shards,
+            for endless key iterators (new dates keep arriving) or epochs that cut across the
+            key list: each pass yields exactly that many samples, with ``last_batch`` applied
+            there, so ``len()`` is known ahead; the next epoch goes on where this one stopped
+            in the stream (finite keys are read pass after pass, each pass shuffled from
+            ``(seed, pass)``). Epochs are then read in order (``set_epoch`` to the next one, or
+            a loaded state).
         shards_on_ctx: With one ``ctx`` and no per-sample work, copy each whole shard there in
             its producer thread, so batches are slices already on the device and nothing is
             copied per batch; costs up to ``prefetch + 1`` shards of device memory.
@@ -155,7 +162,8 @@ class StreamLoader(Closing):
                  kvstore: Any = _validate.UNSET, even_batches: bool | str = False,
                  shard_sizes: Mapping[Any, int] | Callable[[Any], int] | int | None
                  = _validate.UNSET, num_epochs: int | None = _validate.UNSET,
-                 ctx: Any = None, shards_on_ctx: bool = False) -> None:
+                 ctx: Any = None, shards_on_ctx: bool = False,
+                 samples_per_epoch: int | None = None) -> None:
         require_mxnet()
         self.batch_size = _validate.integer("batch_size", batch_size, minimum=1)
         self.last_batch = _validate.choice("last_batch", last_batch, LAST_BATCH_MODES)
@@ -185,7 +193,7 @@ class StreamLoader(Closing):
                                  "ShardStream: set them on the ShardStream instead")
             stream, owns = source, False
         else:
-            if even_batches and not _sizes_known(source, given):
+            if even_batches and samples_per_epoch is None and not _sizes_known(source, given):
                 parts, index = resolve_parts(given.get("num_parts", 1), given.get("part_index", 0),
                                              kvstore=given.get("kvstore"))
                 if parts > 1:  # equal counts without sizes: every rank takes its stride
@@ -214,6 +222,10 @@ class StreamLoader(Closing):
         self.stream = stream
         self.progress = progress
         self.vectorised = batchify_fn is None and sample_transform is None
+        self.samples_per_epoch = (None if samples_per_epoch is None else _validate.integer(
+            "samples_per_epoch", samples_per_epoch, minimum=1, hint="or None"))
+        self._epoch = 0  # samples_per_epoch: the loader's epoch (the stream's is its key pass)
+        stream.keep_keys = self.samples_per_epoch is not None  # epochs restart passes
         self._pass: EpochPass | None = None  # the pass in progress, or the last one
         self._start: LoaderState | None = None  # where the next pass starts (a loaded state)
         self.ctx = _check_ctx(ctx, shards_on_ctx, self.vectorised)
@@ -235,7 +247,8 @@ class StreamLoader(Closing):
         self._path = path
         self._settings = PassSettings(self.batch_size, self.last_batch, self.shuffle_window,
                                       self.even_batches, progress,
-                                      None if self.shards_on_ctx else self.ctx)
+                                      None if self.shards_on_ctx else self.ctx,
+                                      self.samples_per_epoch)
         self._res = _LoaderResources(stream, owns, path)
         # issue 21 item 5: the settings stats.diagnose() bases its advice on (one call)
         stream.stats.describe(
@@ -258,7 +271,7 @@ class StreamLoader(Closing):
     @property
     def epoch(self) -> int:
         """The epoch the next iteration will produce."""
-        return self.stream.epoch
+        return self.stream.epoch if self.samples_per_epoch is None else self._epoch
 
     @property
     def names(self) -> tuple[str, ...] | None:
@@ -268,7 +281,10 @@ class StreamLoader(Closing):
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch of the next pass (its keys, shuffle order and cache entries)."""
-        self.stream.set_epoch(epoch)
+        if self.samples_per_epoch is None:
+            self.stream.set_epoch(epoch)
+        else:
+            self._epoch = _validate.integer("epoch", epoch, minimum=0)
 
     def __bool__(self) -> bool:
         """Always true: ``if val_data:`` (Estimator) must not ask ``len()``, which is unknown
@@ -278,7 +294,7 @@ class StreamLoader(Closing):
     def __len__(self) -> int:
         """Batches of the next pass's epoch, counted from its start, as it yields them: with
         even_batches the count every part yields (the same on every rank)."""
-        epoch = self.stream.epoch
+        epoch = self.epoch
         start = self._next_start(warn=False).position
         count = self._num_batches(epoch, start.carried if start.epoch == epoch
                                   and start.unit == start.offset == 0 else 0)
@@ -312,6 +328,12 @@ class StreamLoader(Closing):
 
     def _num_batches(self, epoch: int, carried: int = 0) -> int | None:
         """Batches epoch ``epoch`` yields from its start (``carried``: samples rolled over)."""
+        if self.samples_per_epoch is not None:  # rolled over: what the epochs before left
+            n, bs = self.samples_per_epoch, self.batch_size
+            full, rest = divmod(n + (epoch * n % bs if self.last_batch == "rollover" else 0), bs)
+            keeps = self.even_batches == "pad" or (self.last_batch == "keep"
+                                                   and not self.even_batches)
+            return full + (1 if rest and keeps else 0)
         if self.even_batches:
             limit = self._even_limit(epoch)
             if limit is not None or self.even_batches == "pad":
@@ -330,6 +352,8 @@ class StreamLoader(Closing):
         With ``'pad'``: the largest part's batches, the last one short; None where that is
         only known once the epoch's shards are seen (``deal='strides'``, or one part)."""
         stream = self.stream
+        if self.samples_per_epoch is not None:  # every part reads as many samples
+            return None
         if self.even_batches == "pad":
             sizes = stream.part_sizes(epoch)
             return None if sizes is None else -(-max(sizes) // self.batch_size)
@@ -348,10 +372,12 @@ class StreamLoader(Closing):
         start = self._next_start()
         self._start = None
         if start.position.end:  # the rest of an ended epoch (a resumed state): nothing
-            self.stream.set_epoch(start.epoch + 1)
+            if self.samples_per_epoch is None:
+                self.stream.set_epoch(start.epoch + 1)
             limit = None
         else:
             limit = self._even_limit(start.epoch)
+        self._epoch = start.epoch + 1  # samples_per_epoch: without set_epoch, the next one
         expected = self._num_batches(start.epoch, start.position.carried) \
             if self.progress and not start.position.end else None
         last = self._pass
@@ -364,6 +390,8 @@ class StreamLoader(Closing):
     def _next_start(self, warn: bool = True) -> LoaderState:
         """Where the next pass starts: a loaded state, or the stream's epoch with what the last
         pass rolled over."""
+        if self.samples_per_epoch is not None:
+            return self._stream_start()
         epoch = self.stream.epoch
         loaded = self._start
         if loaded is not None:
@@ -381,13 +409,32 @@ class StreamLoader(Closing):
                                skipped=last.state.skipped)
         return LoaderState(Position(epoch))
 
+    def _stream_start(self) -> LoaderState:
+        """samples_per_epoch: where epoch :attr:`epoch` starts in the stream: where the one
+        before it stopped (as it ended, or as far as the loop took it)."""
+        epoch, loaded, last = self._epoch, self._start, self._pass
+        before = loaded if loaded is not None else last.state if last is not None else None
+        if before is not None and before.epoch == epoch and loaded is not None:
+            return loaded
+        if before is not None and before.epoch + 1 == epoch:
+            p = before.position
+            return LoaderState(Position(p.epoch, p.unit, p.offset, p.carry),
+                               skipped=before.skipped, stream_epoch=epoch)
+        if before is None and epoch == 0:
+            return LoaderState(Position(0), stream_epoch=0)
+        raise InvalidState(
+            f"samples_per_epoch={self.samples_per_epoch}: epoch {epoch} starts where epoch "
+            f"{epoch - 1} stopped in the stream, which this loader has not reached: iterate the "
+            "epochs in order, or load the state saved in the epoch before")
+
     def _settings_saved(self) -> dict:
         """What decides the batches, stored in a state and checked on load."""
         stream = self.stream
         return {"seed": stream.seed, "shuffle": stream.shuffle, "batch_size": self.batch_size,
                 "last_batch": self.last_batch, "num_parts": stream.num_parts,
                 "part_index": stream.part_index, "deal": stream.deal,
-                "shuffle_window": self.shuffle_window, "even_batches": self.even_batches}
+                "shuffle_window": self.shuffle_window, "even_batches": self.even_batches,
+                "samples_per_epoch": self.samples_per_epoch}
 
     def state_dict(self) -> dict:
         """Where the stream stands, as a small JSON-serialisable dict (take it between batches).
@@ -406,7 +453,7 @@ class StreamLoader(Closing):
         else:
             state = last.state
         return encode_state(state, self._settings_saved(),
-                            self.stream.epoch_keys(state.epoch)[2])
+                            self.stream.epoch_keys(state.position.epoch)[2])
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict` of a loader built with the same arguments.
@@ -431,7 +478,7 @@ class StreamLoader(Closing):
             self.stream.adopt_seed(seed)
         self._start = decoded
         self._pass = None
-        self.stream.set_epoch(decoded.epoch)
+        self.set_epoch(decoded.epoch)
 
     def _keys_with_seed(self, epoch: int, seed: int) -> list | None:
         return self.stream.epoch_keys(epoch, seed=seed)[2]

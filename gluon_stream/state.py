@@ -46,6 +46,8 @@ class LoaderState:
         repeat_number: That batch's number in the epoch (its random augmentation).
         lead: even_batches='pad' without sizes known ahead: the largest part's samples in the
             shards before the position's, which the batch count every part yields needs.
+        stream_epoch: ``samples_per_epoch``: the loader's epoch, while the position's epoch
+            is the pass over the keys it reads (None: the two are one).
     """
 
     position: Position
@@ -54,10 +56,12 @@ class LoaderState:
     repeat: tuple[Segment, ...] = ()
     repeat_number: int = 0
     lead: int = 0
+    stream_epoch: int | None = None
 
     @property
     def epoch(self) -> int:
-        return self.position.epoch
+        """The loader's epoch."""
+        return self.position.epoch if self.stream_epoch is None else self.stream_epoch
 
 
 def keys_digest(keys: Sequence[Any]) -> str:
@@ -86,10 +90,11 @@ def encode_state(state: LoaderState, settings: Mapping[str, Any],
                  epoch_keys: Sequence[Any] | None) -> dict:
     """The JSON-serialisable form of ``state``, checksummed.
 
-    ``epoch_keys`` is the epoch's shard order for this part (None for endless key iterators).
+    ``epoch_keys`` is the shard order of the position's epoch (its pass over the keys) for this
+    part (None for endless key iterators).
     """
     position = state.position
-    out: dict = {"version": STATE_VERSION, "epoch": position.epoch, "end": position.end,
+    out: dict = {"version": STATE_VERSION, "epoch": state.epoch, "end": position.end,
                  "unit": position.unit, "offset": position.offset, "batches": state.delivered,
                  "carry": _segments(position.carry),
                  "skipped": [[epoch, j] for epoch, j in sorted(state.skipped)],
@@ -98,6 +103,8 @@ def encode_state(state: LoaderState, settings: Mapping[str, Any],
         out["repeat"] = {"batch": state.repeat_number, "segments": _segments(state.repeat)}
     if state.lead:
         out["lead"] = state.lead
+    if state.stream_epoch is not None:  # samples_per_epoch
+        out["pass"], out["taken"] = position.epoch, position.taken
     if epoch_keys is not None:
         seen = list(epoch_keys[:position.unit + 1])
         out["keys"] = {"count": len(seen), "digest": keys_digest(seen),
@@ -131,9 +138,13 @@ def decode_state(state: Any, settings: Mapping[str, Any], batch_size: int,
     if differ:
         raise InvalidState(f"state was saved by a loader with other settings "
                            f"(saved, this one): {differ}; build the loader as before")
+    stream_epoch = None
     epoch = _int(state, "epoch")
+    if settings.get("samples_per_epoch") is not None:  # the position is in a pass over the keys
+        stream_epoch, epoch = epoch, _int(state, "pass")
     position = Position(epoch, _int(state, "unit"), _int(state, "offset"),
-                        _carry(state["carry"], epoch, batch_size), _bool(state, "end"))
+                        _carry(state["carry"], epoch, batch_size), _bool(state, "end"),
+                        _int(state, "taken") if stream_epoch is not None else 0)
     delivered = _int(state, "batches")
     skipped = _positions(state["skipped"], epoch)
     repeat, number = (), 0
@@ -141,14 +152,11 @@ def decode_state(state: Any, settings: Mapping[str, Any], batch_size: int,
         repeat, number = _repeat(state["repeat"], epoch, batch_size, delivered,
                                  settings.get("even_batches") == "pad")
     lead = _int(state, "lead") if "lead" in state else 0
-    if position.end and position.offset:
-        raise InvalidState("state fields 'end' and 'offset' disagree: an ended epoch has no row "
-                           "to read")
     keys = epoch_keys(epoch)
     _check_keys(state, epoch, position.unit, keys)
     for segment in position.carry + repeat:
         _check_segment_key(segment, epoch_keys(segment.epoch) if segment.epoch != epoch else keys)
-    return LoaderState(position, delivered, skipped, repeat, number, lead)
+    return LoaderState(position, delivered, skipped, repeat, number, lead, stream_epoch)
 
 
 def _check_checksum(state: Mapping[str, Any]) -> None:
@@ -165,6 +173,8 @@ def _check_checksum(state: Mapping[str, Any]) -> None:
 
 
 def _int(state: Mapping[str, Any], field: str, minimum: int = 0) -> int:
+    if field not in state:
+        raise InvalidState(f"not a state of this loader: field {field!r} is missing")
     try:
         return _validate.integer(f"state field {field!r}", state[field], minimum=minimum)
     except ValueError as exc:

@@ -32,7 +32,7 @@ from ._lifecycle import check_owner, track
 from ._random import key_hash, seeded_rng
 from ._mx import require_mxnet
 from .distributed import resolve_parts
-from .errors import LoaderClosed, SchemaMismatch, add_note
+from .errors import LoaderClosed, SchemaMismatch, StreamError, add_note
 from .retry import ErrorPolicy, OnError, is_permanent
 from .shardfile import names_of, normalize_arrays
 from .sources import RawShard, Source
@@ -78,6 +78,42 @@ class Shard:
 def schema_of(arrays: Sequence[Any]) -> list[tuple[str, tuple]]:
     """(dtype, trailing shape) of each array: what must agree between shards to batch them."""
     return [(np.dtype(a.dtype).str, tuple(a.shape[1:])) for a in arrays]
+
+
+class _KeyTape:
+    """The keys an endless iterator gave, kept from position ``base`` on, so that a pass can
+    start again at any kept position (``samples_per_epoch`` starts each epoch where the last
+    one stopped) without drawing them again: an iterator gives each key once."""
+
+    def __init__(self, keys: Iterator[Any]) -> None:
+        self._source = iter(keys)
+        self._keys: list[Any] = []
+        self.base = 0
+        self._lock = threading.Lock()
+
+    def read(self, start: int) -> Iterator[Any]:
+        """The keys from position ``start`` on (the kept ones, then new ones, kept too)."""
+        index = start
+        while True:
+            with self._lock:
+                if index < self.base:
+                    raise StreamError(f"the keys before position {self.base} of the iterator "
+                                      f"were let go; a pass cannot start at {index}")
+                if index - self.base < len(self._keys):
+                    key = self._keys[index - self.base]
+                else:
+                    key = next(self._source, _END)
+                    if key is _END:
+                        return
+                    self._keys.append(key)
+            yield key
+            index += 1
+
+    def forget(self, before: int) -> None:
+        with self._lock:
+            drop = max(0, min(before - self.base, len(self._keys)))
+            del self._keys[:drop]
+            self.base += drop
 
 
 class _Throttle:
@@ -247,6 +283,8 @@ class ShardStream(Closing):
         self.epoch = 0
         self._next_run: EpochRun | None = None
         self._full_sizes: dict[tuple, int] = {}  # (key, epoch or None) -> samples seen
+        self.keep_keys = False  # keep an endless iterator's keys (samples_per_epoch restarts)
+        self._tapes: dict[tuple[int, int], _KeyTape] = {}
         if isinstance(shard_sizes, int) and not isinstance(shard_sizes, bool):
             shard_sizes = _validate.integer("shard_sizes", shard_sizes, minimum=0)
         elif shard_sizes is not None and not (callable(shard_sizes)
@@ -315,17 +353,22 @@ class ShardStream(Closing):
         for run in list(self._res.runs):  # shards made ahead with the old seed's order
             run.cancel()
 
-    def epoch_keys(self, epoch: int, part_index: int | None = None, seed: int | None = None
-                   ) -> tuple[Iterator[Any], bool, list | None]:
-        """(keys iterator, finite, key list or None) of one part in this epoch's shard order
-        (``seed``: with another seed than the stream's)."""
+    def epoch_keys(self, epoch: int, part_index: int | None = None, seed: int | None = None,
+                   start: int = 0) -> tuple[Iterator[Any], bool, list | None]:
+        """(keys iterator from position ``start``, finite, key list or None) of one part in this
+        epoch's shard order (``seed``: with another seed than the stream's)."""
         part = self.part_index if part_index is None else part_index
         seed = self.seed if seed is None else seed
+        if self.keep_keys and (epoch, part) in self._tapes:
+            return self._tapes[(epoch, part)].read(start), False, None
         keys, finite = self.source.keys_for_epoch(epoch)
         if not finite:
-            if self.num_parts == 1:
-                return iter(keys), False, None
-            return itertools.islice(keys, part, None, self.num_parts), False, None
+            if self.num_parts > 1:
+                keys = itertools.islice(keys, part, None, self.num_parts)
+            if self.keep_keys:  # a pass may start again at a later epoch's boundary
+                tape = self._tapes[(epoch, part)] = _KeyTape(keys)
+                return tape.read(start), False, None
+            return itertools.islice(keys, start, None), False, None
         keys = list(keys)
         if self.num_parts > 1 and keys and self.deal == "shards":  # deal shards to parts
             dealt = seeded_rng(seed, epoch, 0xDEA1).permutation(len(keys))
@@ -334,7 +377,14 @@ class ShardStream(Closing):
         elif self.shuffle and keys:
             order = seeded_rng(seed, epoch, 0x5EED).permutation(len(keys))
             keys = [keys[i] for i in order]
-        return iter(keys), True, keys
+        return iter(keys[start:]), True, keys
+
+    def forget_keys(self, epoch: int, before: int) -> None:
+        """The keys of an endless iterator kept for ``epoch`` before position ``before`` are
+        needed no more (no pass starts again before it)."""
+        tape = self._tapes.get((epoch, self.part_index))
+        if tape is not None:
+            tape.forget(before)
 
     def row_order(self, key: Any, epoch: int, length: int) -> np.ndarray | None:
         """The rows of a shard this part reads, in order (None: all of them, as they are)."""
@@ -583,8 +633,8 @@ class EpochRun:
         self.stream = stream
         self.epoch = epoch
         self.prepare = prepare
-        self.keys, self.finite, self.key_list = stream.epoch_keys(epoch)
-        self.keys = itertools.islice(self.keys, skip, None)  # resume: not produced again
+        # from ``skip`` on: a resume does not produce the shards before it again
+        self.keys, self.finite, self.key_list = stream.epoch_keys(epoch, start=skip)
         self.pending: collections.deque = collections.deque()
         self.index = skip
         self.cancelled = False

@@ -22,6 +22,10 @@ of features and interruptions and compare the batches exactly:
   of batches, all of ``batch_size`` rows; a short last batch is padded with its own rows
   repeated, then the last batch is repeated as padding; ``pad`` counts the padding rows.
   Without sizes, parts take strides of every shard whole (``deal='strides'``).
+* **samples_per_epoch=N.** A part's samples form one stream: the key list's pass 0 (shuffled
+  from ``(seed, 0)``), then pass 1 (from ``(seed, 1)``), ... Epoch ``e`` reads samples
+  ``e*N .. (e+1)*N - 1`` of it, batched as an epoch is (``'rollover'`` carries the tail into
+  the next epoch's first batch; even_batches keeps full batches, or pads the last one).
 """
 from __future__ import annotations
 
@@ -61,6 +65,7 @@ class Config:
     even_batches: bool = False
     failing: frozenset = frozenset()  # keys whose shard fails every time (on_error='skip')
     declared: dict | None = None  # shard_sizes= given to the loader (None: unknown)
+    samples_per_epoch: int | None = None
     sample_id: Callable[[Any, int], Any] = field(default=lambda key, row: 1000 * key + row)
 
 
@@ -164,11 +169,57 @@ def padded(cfg: Config, epochs: int, part: int | None = None) -> list[list[tuple
     return out
 
 
+EMPTY_PASSES = 16  # samples_per_epoch: passes in a row without a sample before it gives up
+
+
+class NoSamples(Exception):
+    """samples_per_epoch: EMPTY_PASSES passes over the keys in a row gave a part no sample."""
+
+
+def sample_stream(cfg: Config, epochs: int, part: int) -> list:
+    """samples_per_epoch: the samples ``epochs`` epochs read, from the passes over the keys."""
+    needed = epochs * cfg.samples_per_epoch
+    stream: list = []
+    key_pass = empty = 0
+    while len(stream) < needed:
+        samples = [s for unit in epoch_units(cfg, key_pass, part) for s in unit]
+        empty = 0 if samples else empty + 1
+        if empty == EMPTY_PASSES:
+            raise NoSamples(f"part {part}: {EMPTY_PASSES} passes without a sample")
+        stream += samples
+        key_pass += 1
+    return stream[:needed]
+
+
+def fixed_epochs(cfg: Config, epochs: int, part: int | None = None) -> list[list[tuple]]:
+    """samples_per_epoch: every epoch's ``(sample ids, padding rows)`` for one part."""
+    part = cfg.part_index if part is None else part
+    n, bs = cfg.samples_per_epoch, cfg.batch_size
+    stream = sample_stream(cfg, epochs, part)
+    out = []
+    carry: list = []
+    for epoch in range(epochs):
+        samples = carry + stream[epoch * n:(epoch + 1) * n]
+        full = len(samples) // bs
+        epoch_batches = [(samples[i * bs:(i + 1) * bs], 0) for i in range(full)]
+        tail = samples[full * bs:]
+        carry = tail if cfg.last_batch == "rollover" else []
+        if tail and cfg.even_batches == "pad":
+            epoch_batches.append((tail + [tail[i % len(tail)] for i in range(bs - len(tail))],
+                                  bs - len(tail)))
+        elif tail and cfg.last_batch == "keep" and not cfg.even_batches:
+            epoch_batches.append((tail, 0))
+        out.append(epoch_batches)
+    return out
+
+
 def batches(cfg: Config, epochs: int, part: int | None = None) -> list[list[list]]:
     """Every epoch's batches (lists of sample ids) for one part: ``result[epoch][i]``.
 
     Raises :class:`NoBatchToRepeat` for an epoch in which even_batches cannot be kept.
     """
+    if cfg.samples_per_epoch is not None:
+        return [[ids for ids, _ in epoch] for epoch in fixed_epochs(cfg, epochs, part)]
     if cfg.even_batches == "pad":
         return [[ids for ids, _ in epoch] for epoch in padded(cfg, epochs, part)]
     part = cfg.part_index if part is None else part

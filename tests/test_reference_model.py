@@ -49,10 +49,14 @@ def configs(draw):
     failing = frozenset(draw(st.sets(st.sampled_from(keys)))) if keys and deal == "shards" \
         and draw(st.booleans()) else frozenset()
     declared = dict(sizes) if known else None
+    samples_per_epoch = draw(st.none() | st.integers(1, 15))
+    if samples_per_epoch is not None:
+        deal = "shards"  # equal counts by construction: every part reads as many
     return model.Config(keys=keys, sizes=sizes, batch_size=batch_size, last_batch=last_batch,
                         shuffle=shuffle, seed=draw(st.integers(0, 3)), shuffle_window=window,
                         num_parts=parts, part_index=draw(st.integers(0, parts - 1)), deal=deal,
-                        even_batches=even, failing=failing, declared=declared)
+                        even_batches=even, failing=failing, declared=declared,
+                        samples_per_epoch=samples_per_epoch)
 
 
 def make_loader(cfg: model.Config, path: str) -> gs.StreamLoader:
@@ -76,7 +80,7 @@ def make_loader(cfg: model.Config, path: str) -> gs.StreamLoader:
         last_batch=cfg.last_batch, shuffle=cfg.shuffle, seed=cfg.seed,
         shuffle_window=cfg.shuffle_window, num_parts=cfg.num_parts, part_index=cfg.part_index,
         even_batches=cfg.even_batches, on_error="skip" if cfg.failing else "raise",
-        prefetch=1, producers=1, **kw)
+        prefetch=1, producers=1, samples_per_epoch=cfg.samples_per_epoch, **kw)
 
 
 def run(cfg, path, epochs, cuts, loop):
@@ -127,6 +131,9 @@ def seen(loader, batch):
 
 
 def expected(cfg, epochs):
+    if cfg.samples_per_epoch is not None:
+        padded = [b for epoch in model.fixed_epochs(cfg, epochs) for b in epoch]
+        return padded if cfg.even_batches == "pad" else [ids for ids, _ in padded]
     if cfg.even_batches == "pad":
         return [b for epoch in model.padded(cfg, epochs) for b in epoch]
     return [b for epoch in model.batches(cfg, epochs) for b in epoch]
@@ -145,11 +152,16 @@ def test_any_configuration_resumed_anywhere_matches_the_model(cfg, epochs, path,
         with pytest.raises(gs.StreamError, match="no batch to give"):
             run(cfg, path, epochs, [], loop)
         return
+    except model.NoSamples:
+        with pytest.raises(gs.StreamError, match="passes over the keys in a row"):
+            run(cfg, path, epochs, [], loop)
+        return
     cuts = [(math.ceil(f * len(want)), after) for f, after in cut_at]
     cuts = [c for c in cuts if c[0] > 0]
     for name, on in [("path=" + path, True), ("window", cfg.shuffle_window > 1),
                      ("skip", bool(cfg.failing)), ("even", cfg.even_batches),
                      ("parts", cfg.num_parts > 1), ("deal=samples", cfg.deal == "samples"),
+                     ("samples_per_epoch", cfg.samples_per_epoch is not None),
                      (f"resumed x{len(cuts)}", True), ("rollover", cfg.last_batch == "rollover")]:
         if on:
             event(name)
