@@ -12,13 +12,13 @@ from ._version import __version__
 from .diagnosis import Diagnosis
 from .errors import (BatchTimeout, CorruptShard, LoaderClosed, SchemaMismatch, ShardError,
                      ShardTimeout, StreamError, UnsafeShard, WorkerDied)
-from .errors import (CacheFull, CommandNotFound, InvalidState, StaleShard, UnbatchableShard,
-                     UnsafeKey)
+from .errors import (CacheFull, CommandNotFound, InvalidState, SizeUnknown, StaleShard,
+                     UnbatchableShard, UnsafeKey)
 from .loader import StreamLoader
 from .shardfile import inspect_shard, load_shard, write_shard
 from .sources import CommandSource, FileSource, FunctionSource, MixSource, Source
-from .stats import Stats
-from .stream import Shard, ShardStream
+from .stats import EpochRecord, ShardRecord, Stats
+from .stream import EpochRun, Shard, ShardStream
 
 __all__ = [
     "BatchTimeout",
@@ -27,6 +27,8 @@ __all__ = [
     "CommandSource",
     "CorruptShard",
     "Diagnosis",
+    "EpochRecord",
+    "EpochRun",
     "FileSource",
     "FunctionSource",
     "InvalidState",
@@ -35,8 +37,10 @@ __all__ = [
     "SchemaMismatch",
     "Shard",
     "ShardError",
+    "ShardRecord",
     "ShardStream",
     "ShardTimeout",
+    "SizeUnknown",
     "Source",
     "StaleShard",
     "Stats",

@@ -9,6 +9,9 @@ from typing import Any, TypeVar
 
 _T = TypeVar("_T", bound="Closing")
 
+WAIT_SLICE_S = 0.5  # how often a blocking wait re-checks whether its owner was closed
+CLOSE_WAIT_S = 2.0  # how long close() gives threads running user code to finish
+
 
 class Closing:
     """Mixin: ``with obj:`` calls ``obj.close()`` on the way out (close() is idempotent)."""

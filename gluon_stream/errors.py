@@ -18,6 +18,7 @@ they resemble, so ``except ValueError`` or ``except TimeoutError`` keep working:
         LoaderClosed(RuntimeError)      a closed loader or stream was used
         UnsafeKey(ValueError)           a shard key unsafe as a file name or command argument
         InvalidState(ValueError)        a resume state that is malformed or from other settings
+        SizeUnknown(TypeError)          len() or even_batches needs a shard size not known yet
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ __all__ = [
     "SchemaMismatch",
     "ShardError",
     "ShardTimeout",
+    "SizeUnknown",
     "StaleShard",
     "StreamError",
     "UnbatchableShard",
@@ -189,6 +191,12 @@ class CacheFull(ShardError):
 class InvalidState(StreamError, ValueError):
     """A ``load_state_dict`` state is malformed, or was saved by a loader with other settings,
     keys or epoch than this one: resuming from it would repeat or skip samples."""
+
+
+class SizeUnknown(StreamError, TypeError):
+    """A count that needs shard sizes not known without producing the shards: ``len(loader)``
+    (a TypeError, as ``len()`` of anything without a known length), or even_batches' batch
+    count on every rank. The message says which shards and what to pass."""
 
 
 def add_note(exc: BaseException, note: str) -> None:

@@ -10,6 +10,7 @@ carried before a failing shard), :attr:`UnitFeed.failure` the error to raise aft
 from __future__ import annotations
 
 import collections
+import enum
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from .errors import LoaderClosed
 from .stats import EpochRecord
 from .stream import EpochRun, Shard
 
-__all__ = ["Carry", "Mixed", "UnitFeed", "WindowFeed"]
+__all__ = ["Carry", "FeedState", "Mixed", "UnitFeed", "WindowFeed"]
 
 
 class Carry:
@@ -76,6 +77,16 @@ class Mixed:
         return iter(out)
 
 
+class FeedState(enum.IntEnum):
+    """Where a feed is: handing out units (``READING``); its run has no more shards, the units
+    they complete are still to hand out (``DRAINED``, a shuffle window's last units); done,
+    the epoch's tail and end known (``ENDED``). It only moves forward."""
+
+    READING = 0
+    DRAINED = 1
+    ENDED = 2
+
+
 class UnitFeed:
     """Shards in order as units (``shuffle_window=1``), each with its batch plan.
 
@@ -96,11 +107,11 @@ class UnitFeed:
         self.samples = 0  # samples of the shards handed out
         self.full_sizes: dict[int, int] = {}  # their samples before ranks took their parts
         self.names: tuple[str, ...] | None = None  # the arrays' names, where they have some
-        self._ended = False
+        self.state = FeedState.READING
 
     def ready(self) -> bool:
         """Whether :meth:`next` would return without waiting for a shard to be produced."""
-        return self._ended or self.run.ready()
+        return self.state is FeedState.ENDED or self.run.ready()
 
     def _next_shard(self) -> Shard | None:
         """The run's next shard; on a failure, the carried samples become :attr:`final`."""
@@ -109,7 +120,7 @@ class UnitFeed:
         except LoaderClosed:
             raise
         except Exception as exc:  # deliver what earlier shards left over first, then raise
-            self._ended, self.failure = True, exc
+            self.state, self.failure = FeedState.ENDED, exc
             self.final = self.planner.flush(self.run.index)
             return None
         if shard is not None:
@@ -129,14 +140,14 @@ class UnitFeed:
         self.names = shard.names
 
     def next(self) -> tuple[Any, UnitPlan] | None:
-        if self._ended:
+        if self.state is FeedState.ENDED:
             return None
         if self.planner.exhausted:  # samples_per_epoch: the epoch read its samples
             self._end(True)
             return None
         shard = self._next_shard()
         if shard is None:
-            if not self._ended:
+            if self.state is not FeedState.ENDED:
                 self._end()
             return None
         return shard, self.planner.add(shard.index, len(shard), key=shard.key)
@@ -145,7 +156,7 @@ class UnitFeed:
         """No unit follows: end the epoch (its tail, :attr:`final`, per last_batch), or, where
         the stream goes on past this run (``samples_per_epoch``), leave what the planner holds
         to the next run."""
-        self._ended = True
+        self.state = FeedState.ENDED
         if self.closes if closes is None else closes:
             self.final, self.end = self.planner.finish()
         else:
@@ -177,29 +188,28 @@ class WindowFeed(UnitFeed):
         self.budget = budget  # shards held here plus shards in flight
         self._shards: dict[int, Shard] = {}
         self._units: collections.deque[tuple[MixedUnit, Future]] = collections.deque()
-        self._drained = False
         self._deferred: Any = None  # what the look-ahead met instead of a shard: _END, an error
 
     def ready(self) -> bool:
-        return (bool(self._units) or self._ended or self._drained
+        return (bool(self._units) or self.state is not FeedState.READING
                 or self._deferred is not None or self.run.ready())
 
     def next(self) -> tuple[Any, UnitPlan] | None:
-        if not self._ended and self.planner.exhausted:  # samples_per_epoch: the epoch is read
+        if self.state is not FeedState.ENDED and self.planner.exhausted:  # samples_per_epoch: the epoch is read
             self._end(True)
             return None
         while not self._units:
-            if self._ended:
+            if self.state is FeedState.ENDED:
                 return None
-            if self._drained:
+            if self.state is FeedState.DRAINED:
                 self._end()
                 return None
             self._limit_in_flight()
             shard = self._next_shard()
             if shard is None:
-                if self._ended:  # failed
+                if self.state is FeedState.ENDED:  # failed
                     return None
-                self._drained = True
+                self.state = FeedState.DRAINED
                 self._add_units(self.mixer.finish())
                 continue
             self._add_shard(shard)
@@ -223,7 +233,7 @@ class WindowFeed(UnitFeed):
 
     def _look_ahead(self) -> None:
         """Take the next shard if it is produced already, and start gathering its units."""
-        if self._units or self._drained or self._ended or self._deferred is not None:
+        if self._units or self.state is not FeedState.READING or self._deferred is not None:
             return
         self._limit_in_flight()
         if not self.run.has_shard():

@@ -1,15 +1,16 @@
 """StreamLoader: batches over a stream of shards, nothing lost or duplicated at shard boundaries.
 
-The loader wires three parts together: a :class:`~gluon_stream.ShardStream` (shards produced
-ahead), the :class:`~gluon_stream.batching.BatchPlanner` (which samples form which batch, where
-a resume starts) and one of two ways to turn planned batches into data, chosen automatically:
+The loader wires the stages of each pass (an epoch): a :class:`~gluon_stream.ShardStream` (shards
+produced ahead), a planner (which samples form which batch, where a resume starts: the pure
+promise of :mod:`gluon_stream._batching`) and one of two ways to turn planned batches into data,
+chosen automatically:
 
 * **vectorised** (no ``batchify_fn``, no ``sample_transform``): the producer thread copies
   the (already shuffled) shard into one NDArray in the background; batches are contiguous
   slices of it. No per-sample Python work, no worker pool, rotation costs microseconds,
   and the batches are exactly those a ``gluon.data.DataLoader`` would build.
 * **per-sample** (a ``batchify_fn`` or ``sample_transform`` is given): samples are made and
-  batched by workers (:mod:`gluon_stream._mx.workers`): in the loop's thread
+  batched by workers: in the loop's thread
   (``num_workers=0``), in threads (``thread_pool=True``), or, by default for
   ``num_workers > 0`` as in Gluon, in worker processes forked once per loader and fed each shard
   through shared memory. Batches are submitted ahead, across shard boundaries.
@@ -31,7 +32,7 @@ from ._mx.samples import SAMPLE_FORMATS, SampleFormat
 from .batching import LAST_BATCH_MODES, LastBatch, Position
 from .distributed import resolve_parts
 from .epoch import EpochPass, PassSettings
-from .errors import InvalidState, LoaderClosed
+from .errors import InvalidState, LoaderClosed, SizeUnknown
 from .paths import SamplePath, SlicePath
 from .retry import OnError
 from .sources import Source
@@ -71,15 +72,15 @@ class StreamLoader(Closing):
         sample_transform: ``fn(*sample) -> sample`` per sample (like ``Dataset.transform``);
             selects the per-sample path.
         sample_format: What per-sample code receives: ``'auto'`` (default: numpy rows, or
-            NDArrays once MXNet/GluonCV code rejects numpy), ``'numpy'`` or ``'ndarray'`` (see
-            :mod:`gluon_stream._mx.samples`).
+            NDArrays once MXNet/GluonCV code rejects numpy, as GluonCV's ``RandomCrop``
+            does), ``'numpy'`` or ``'ndarray'``.
         shuffle: Shuffle shard order and samples within shards, from ``(seed, epoch)``
             (default False).
         shuffle_window: With ``shuffle=True``, mix the samples of this many consecutive shards
             (default 1: each batch holds samples of one shard, except at boundaries). A sliding
-            window (see :class:`~gluon_stream.batching.WindowMixer`): every batch mixes up to
-            this many shards, batches start as soon as the first shard is in, and at most
-            ``max(prefetch, shuffle_window) + 1`` shards are held.
+            window: shard ``j``'s samples are spread over ``shuffle_window`` consecutive units,
+            so every batch mixes up to this many shards, batches start as soon as the first
+            shard is in, and at most ``max(prefetch, shuffle_window) + 1`` shards are held.
         seed: Shuffle seed (None: drawn once, logged).
         last_batch: ``'keep'`` (default, as Gluon), ``'discard'`` or ``'rollover'``; applies at
             the end of the epoch only, leftovers always cross shard boundaries.
@@ -299,7 +300,7 @@ class StreamLoader(Closing):
         count = self._num_batches(epoch, start.carried if start.epoch == epoch
                                   and start.unit == start.offset == 0 else 0)
         if count is None:
-            raise TypeError(f"len(StreamLoader) is unknown for epoch {epoch}: "
+            raise SizeUnknown(f"len(StreamLoader) is unknown for epoch {epoch}: "
                             f"{self._unknown_size_reason(epoch)}")
         return count
 
@@ -361,10 +362,9 @@ class StreamLoader(Closing):
             return None
         sizes = stream.part_sizes(epoch)
         if sizes is None:
-            raise InvalidState(
-                f"even_batches=True needs every shard's size for epoch {epoch} on every rank, "
-                "and some are unknown now: pass shard_sizes= for every key (samples after "
-                "transform), or fill the cache ahead before any rank starts")
+            raise SizeUnknown(
+                f"even_batches=True needs every shard's size for epoch {epoch} on every rank: "
+                f"{self._unknown_size_reason(epoch)}")
         return min(sizes) // self.batch_size
 
     def __iter__(self) -> Iterator[Any]:

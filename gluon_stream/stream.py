@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import enum
 import itertools
 import logging
 import os
@@ -26,7 +27,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from . import _validate
-from ._closing import Closing, end_thread_pool
+from ._closing import CLOSE_WAIT_S, WAIT_SLICE_S, Closing, end_thread_pool
 from ._cores import usable_cores
 from ._lifecycle import check_owner, track
 from ._random import key_hash, seeded_rng
@@ -38,13 +39,11 @@ from .shardfile import names_of, normalize_arrays
 from .sources import RawShard, Source
 from .stats import ShardRecord, Stats
 
-__all__ = ["EpochRun", "Prepare", "Shard", "ShardStream"]
+__all__ = ["EpochRun", "Prepare", "RunState", "Shard", "ShardStream"]
 
 logger = logging.getLogger(__name__)
 
 DEAL_MODES = ("shards", "samples", "strides")
-WAIT_SLICE_S = 0.5  # how often a waiting consumer re-checks for close()
-CLOSE_WAIT_S = 2.0  # how long close() waits for producer threads to finish their shard
 _END = object()
 
 #: ``prepare(arrays, order, what) -> arrays``: run in the producer thread after the transform,
@@ -614,6 +613,17 @@ class ShardStream(Closing):
         self._finalizer()
 
 
+class RunState(enum.IntEnum):
+    """Where an :class:`EpochRun` is in its life: it submits shards while keys are left
+    (``PRODUCING``), then hands out what it submitted (``EXHAUSTED``: no key left, or the key
+    iterator failed), until its consumer is done or a newer pass replaces it (``CANCELLED``:
+    queued work dropped, running producers finish and are ignored). It only moves forward."""
+
+    PRODUCING = 0
+    EXHAUSTED = 1
+    CANCELLED = 2
+
+
 class EpochRun:
     """One pass over an epoch's keys: a window of futures, handed out in order.
 
@@ -637,11 +647,10 @@ class EpochRun:
         self.keys, self.finite, self.key_list = stream.epoch_keys(epoch, start=skip)
         self.pending: collections.deque = collections.deque()
         self.index = skip
-        self.cancelled = False
+        self.state = RunState.PRODUCING
         self.skipped = 0
         self.skipped_at: list[int] = []  # positions of the shards skipped, in order
         self._preskipped = frozenset(skipped)
-        self.exhausted = False
         self.key_error: BaseException | None = None
         self.last_wait_s = 0.0
         self.waits = 0  # times a shard was asked for before it was produced
@@ -650,6 +659,19 @@ class EpochRun:
         self._ahead: dict[int, cf.Future] = {}  # index -> generation into the cache
         # the consumer fills the window; producers finishing a shard start generations ahead
         self._lock = threading.RLock()
+
+    @property
+    def cancelled(self) -> bool:
+        """The pass was cancelled: it hands out nothing more."""
+        return self.state is RunState.CANCELLED
+
+    @property
+    def exhausted(self) -> bool:
+        """Every key is submitted (or the keys failed): nothing more will be produced."""
+        return self.state >= RunState.EXHAUSTED
+
+    def _advance(self, state: RunState) -> None:
+        self.state = max(self.state, state)  # forward only: a cancelled pass stays cancelled
 
     def _next_key(self) -> Any:
         """The next (key, index) in order, or _END; a failing key iterator ends the keys."""
@@ -726,7 +748,7 @@ class EpochRun:
         while len(self.pending) < depth and not self.exhausted:
             nxt = self._next_key()
             if nxt is _END:
-                self.exhausted = True
+                self._advance(RunState.EXHAUSTED)
                 break
             key, index = nxt
             self.index = index + 1  # first: a callback of the submit below draws the next key
@@ -871,7 +893,7 @@ class EpochRun:
 
     def cancel(self) -> None:
         """Drop queued work; running producers finish (populating caches) and are ignored."""
-        self.cancelled = True
+        self._advance(RunState.CANCELLED)
         with self._lock:
             while self.pending:
                 _, _, fut = self.pending.popleft()

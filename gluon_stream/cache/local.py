@@ -41,6 +41,7 @@ import contextlib
 import errno
 import fcntl
 import glob
+import itertools
 import json
 import logging
 import os
@@ -52,6 +53,7 @@ import uuid
 from typing import Any, Callable, Iterator, Mapping
 
 from .. import _validate
+from .._closing import WAIT_SLICE_S
 from ..errors import CacheFull, CorruptShard, LoaderClosed, ShardError, StaleShard, UnsafeShard
 from ..shardfile import TEMP_MARKER, discard_path, inspect_shard, open_regular, remove_if_exists
 from .base import Create, Recipe
@@ -65,7 +67,6 @@ __all__ = ["EVICT_LOCK", "FUTURE_SLACK_S", "LocalShardCache", "ON_CHANGE", "ROOM
 logger = logging.getLogger(__name__)
 
 SUFFIXES = (".npy", ".npz")
-WAIT_SLICE_S = 0.5  # how often a blocked wait re-checks close()
 ROOM_POLL_S = 0.02  # how often a publisher waiting for room looks for a released shard
 EVICT_LOCK = "cache-evict"
 FUTURE_SLACK_S = 5.0  # a last-used time further ahead than this is a skewed clock or a backup
@@ -345,7 +346,7 @@ class LocalShardCache:
                 return path, True, pin
         if self.read_only:
             raise self._cannot_generate(name)
-        for attempt in range(2):
+        for attempt in itertools.count():  # a second deletion of cache_dir raises
             try:
                 return self._create_locked(name, create, recipe)
             except (OSError, ShardError) as exc:
@@ -360,7 +361,6 @@ class LocalShardCache:
                                      key=name) from exc
                 logger.warning("cache_dir %s was deleted while shard %r was being made; "
                                "making the shard again", self.root, name)
-        raise AssertionError("unreachable")
 
     def _cannot_generate(self, name: str) -> ShardError:
         return ShardError(f"shard {name!r} is not in the read-only cache_dir {self.root!r} and "

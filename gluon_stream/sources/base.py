@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
+from .. import _validate
 from .._closing import Closing
 from ..cache import ShardCache, make_cache
 from ..cache.recipe import recipe_digest
@@ -127,6 +128,7 @@ class CachingSource(Source):
                  mmap: bool, cache_limit: int | str | None = None,
                  on_change: str = "regenerate") -> None:
         super().__init__(keys)
+        lock_timeout = _validate.seconds("lock_timeout", lock_timeout)
         if cache_limit is not None and cache_dir is None:
             raise ValueError("cache_limit needs a cache_dir")
         self._cache: ShardCache | None = (

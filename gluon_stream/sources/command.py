@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import re
@@ -77,7 +78,7 @@ class CommandSource(CachingSource):
         super().__init__(keys, cache_dir, lock_timeout, mmap, cache_limit, on_change)
         self.command = [str(arg) for arg in command]
         self.timeout = timeout
-        self.retry = RetryPolicy(retries, backoff)
+        self.retry = RetryPolicy(retries, _validate.seconds("backoff", backoff, positive=False))
         self.suffix = suffix
         self.env = env
         self.version = None if version is None else str(version)
@@ -110,7 +111,7 @@ class CommandSource(CachingSource):
 
     def _create(self, key: Any, epoch: int) -> str:
         name = self.shard_name(key, epoch)
-        for attempt in range(self.retry.attempts):
+        for attempt in itertools.count():  # the last attempt raises (should_retry: no)
             tmp = self._require_cache().temp_path(name, self.suffix)
             try:
                 self._run_once(key, epoch, tmp)
@@ -133,7 +134,6 @@ class CommandSource(CachingSource):
             except BaseException:
                 discard_path(tmp)
                 raise
-        raise AssertionError("unreachable")
 
     def _run_once(self, key: Any, epoch: int, tmp: str) -> None:
         """Run the generator once and turn how it ended into a ShardError, or return."""
