@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Literal, overload
 
 __all__ = ["UNSET", "callable_or_none", "choice", "integer", "is_int", "is_set", "seconds"]
 
@@ -65,6 +65,12 @@ def integer(name: str, value: Any, *, minimum: int | None = None,
     return value
 
 
+@overload
+def seconds(name: str, value: Any, *, allow_none: Literal[False] = ..., positive: bool = ...,
+            hint: str = ...) -> float: ...
+@overload
+def seconds(name: str, value: Any, *, allow_none: bool, positive: bool = ...,
+            hint: str = ...) -> float | None: ...
 def seconds(name: str, value: Any, *, allow_none: bool = False, positive: bool = True,
             hint: str = "") -> float | None:
     """``value`` as float seconds (finite or ``inf``), or a ValueError naming ``name``.

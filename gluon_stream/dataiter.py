@@ -24,7 +24,7 @@ StreamIter adapts a loader to that contract:
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Generator, Mapping, Sequence
 
 import numpy as np
 
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_LAYOUTS = {1: "N", 2: "NC", 3: "NTC", 4: "NCHW", 5: "NCDHW"}
 
 
-class StreamIter(data_iter_base(), Closing):
+class StreamIter(data_iter_base(), Closing):  # type: ignore[misc]  # mx.io.DataIter, or a stand-in
     """An ``mx.io.DataIter`` over a StreamLoader, for ``mx.mod.Module`` and other legacy code.
 
     The loader's batches hold its arrays in order (data first, then labels); the first
@@ -104,7 +104,7 @@ class StreamIter(data_iter_base(), Closing):
         self.data_names = data_names
         self.label_names = label_names
         self.layouts = layouts
-        self._batches: Iterator[Any] | None = None  # the current pass over the loader
+        self._batches: Generator[Any, None, None] | None = None  # the loader's current pass
         self._taken = 0  # batches handed out in the current pass
         self._peeked: list | None = None  # arrays of a batch produced but not handed out yet
         self._peeked_pad = 0  # ... and its padding rows, as the loader marked them

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Generator, Iterator, Sequence
 
 from ._mx import arrays as mx_arrays
 from ._mx.padding import pad_rows
@@ -121,13 +121,16 @@ class _LoopClock:
             waited = feed.shard_wait_s - self._shard_wait
             record.rotation_s.append(max(0.0, now - self.waiting_since - waited))
         self._last_unit, self._shard_wait, self._waits = unit, feed.shard_wait_s, run.waits
-        self.run.stream.stats.add_span("train", "wait", self.waiting_since, now)
+        self.record_span("wait", self.waiting_since, now)
 
     def resumed(self) -> None:
         """The loop asks for the next batch: it trained since the last one arrived."""
         self.waiting_since = self.now()
-        assert self.run is not None
-        self.run.stream.stats.add_span("train", "busy", self._arrived, self.waiting_since)
+        self.record_span("busy", self._arrived, self.waiting_since)
+
+    def record_span(self, name: str, start: float, end: float) -> None:
+        assert self.run is not None  # set by new_run before the first batch
+        self.run.stream.stats.add_span("train", name, start, end)
 
 
 class EpochPass:
@@ -156,18 +159,18 @@ class EpochPass:
     def epoch(self) -> int:
         return self.start.epoch
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Generator[Any, None, None]:
         if self.start.position.end:  # the rest of an ended epoch: nothing
             return self._ended()
         return self._batches()
 
-    def _ended(self) -> Iterator[Any]:
+    def _ended(self) -> Generator[Any, None, None]:
         self.finished = True
         return
         yield
 
     # -- the epoch's batches ----------------------------------------------------------------
-    def _batches(self) -> Iterator[Any]:
+    def _batches(self) -> Generator[Any, None, None]:
         stream, path, settings, start = self.stream, self.path, self.settings, self.start
         position = start.position
         if self.even is not None and self.even.reached(start.delivered):  # a limit of 0
@@ -220,7 +223,7 @@ class EpochPass:
             self._full_sizes.update(feed.full_sizes)
             even = self.even
             count = even.count(self._lead(run.index)) if even is not None else None
-            if count is not None and delivered < count:
+            if even is not None and count is not None and delivered < count:
                 assert feed.end is not None
                 stop = Position(run.epoch, feed.end.unit)  # the repeats come after the units
                 yield from self._repeat(even, delivered, count, run, record, stop)

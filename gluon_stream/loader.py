@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import weakref
 from concurrent.futures import Executor
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Generator, Mapping, Sequence
 
 from . import _validate
 from ._closing import Closing
@@ -182,7 +182,7 @@ class StreamLoader(Closing):
         _validate.callable_or_none("sample_transform", sample_transform)
         _validate.callable_or_none("batchify_fn", batchify_fn)
         self.sample_format = _validate.choice("sample_format", sample_format, SAMPLE_FORMATS)
-        given = {name: value for name, value in (
+        given: dict[str, Any] = {name: value for name, value in (
             ("transform", transform), ("shuffle", shuffle), ("seed", seed),
             ("prefetch", prefetch), ("producers", producers), ("on_error", on_error),
             ("schema", schema), ("stats", stats), ("num_parts", num_parts),
@@ -308,7 +308,7 @@ class StreamLoader(Closing):
         """Why this loader cannot count an epoch's samples without producing it, and the fix."""
         stream = self.stream
         _, finite, keys = stream.epoch_keys(epoch)
-        if not finite:
+        if not finite or keys is None:
             return ("the keys are an endless iterator, so the epoch has no known end (iterate "
                     "with a fixed number of steps instead)")
         unknown = [k for k in keys if stream.shard_size(k, epoch) is None]
@@ -367,7 +367,7 @@ class StreamLoader(Closing):
                 f"{self._unknown_size_reason(epoch)}")
         return min(sizes) // self.batch_size
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Generator[Any, None, None]:
         self._check_open()
         start = self._next_start()
         self._start = None
@@ -469,13 +469,13 @@ class StreamLoader(Closing):
         settings = self._settings_saved()
         saved = state.get("settings") if isinstance(state, Mapping) else None
         seed = saved.get("seed") if isinstance(saved, Mapping) else None
-        adopt = not self.stream.seed_given and _validate.is_int(seed)
+        adopt = seed is not None and not self.stream.seed_given and _validate.is_int(seed)
         if adopt:
             settings["seed"] = seed
         decoded = decode_state(state, settings, self.batch_size,
                                lambda epoch: self._keys_with_seed(epoch, settings["seed"]))
-        if adopt:
-            self.stream.adopt_seed(seed)
+        if adopt and seed is not None:
+            self.stream.adopt_seed(int(seed))
         self._start = decoded
         self._pass = None
         self.set_epoch(decoded.epoch)

@@ -147,7 +147,8 @@ def decode_state(state: Any, settings: Mapping[str, Any], batch_size: int,
                         _int(state, "taken") if stream_epoch is not None else 0)
     delivered = _int(state, "batches")
     skipped = _positions(state["skipped"], epoch)
-    repeat, number = (), 0
+    repeat: tuple[Segment, ...] = ()
+    number = 0
     if state.get("repeat") is not None:
         repeat, number = _repeat(state["repeat"], epoch, batch_size, delivered,
                                  settings.get("even_batches") == "pad")

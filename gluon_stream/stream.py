@@ -22,7 +22,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -84,7 +84,7 @@ class _KeyTape:
     start again at any kept position (``samples_per_epoch`` starts each epoch where the last
     one stopped) without drawing them again: an iterator gives each key once."""
 
-    def __init__(self, keys: Iterator[Any]) -> None:
+    def __init__(self, keys: Iterable[Any]) -> None:
         self._source = iter(keys)
         self._keys: list[Any] = []
         self.base = 0
@@ -271,7 +271,7 @@ class ShardStream(Closing):
                              "every rank, so that the ranks agree on who gets which shard")
         self.seed_given = seed is not None
         if seed is None and self.num_parts == 1:  # several parts deal shards with seed 0
-            seed = int(np.random.SeedSequence().entropy % (2 ** 31))
+            seed = int(np.random.SeedSequence().generate_state(1)[0]) % (2 ** 31)
             (logger.info if self.shuffle else logger.debug)(
                 "no seed given: using seed=%d (shuffle order and per-sample randomness)", seed)
         self.seed = 0 if seed is None else _validate.integer("seed", seed)
@@ -447,7 +447,7 @@ class ShardStream(Closing):
     def epoch_size(self, epoch: int, part_index: int | None = None) -> int | None:
         """Total samples of one part's epoch if every shard size is known, else None."""
         _, finite, keys = self.epoch_keys(epoch, part_index)
-        if not finite:
+        if not finite or keys is None:
             return None
         total = 0
         for key in keys:
@@ -460,7 +460,8 @@ class ShardStream(Closing):
     def part_sizes(self, epoch: int) -> list[int] | None:
         """Total samples of every part in an epoch (for equal batch counts), or None if unknown."""
         sizes = [self.epoch_size(epoch, part) for part in range(self.num_parts)]
-        return None if None in sizes else sizes
+        known = [n for n in sizes if n is not None]
+        return known if len(known) == len(sizes) else None
 
     # -- iteration ----------------------------------------------------------------------
     def __iter__(self) -> Iterator[Shard]:
@@ -514,8 +515,8 @@ class ShardStream(Closing):
         if ahead is None or ahead.epoch != epoch or ahead.prepare is not prepare:
             if ahead is not None:
                 ahead.cancel()
-            self._next_run = self._new_run(epoch, 0, prepare)
-        return self._next_run
+            ahead = self._next_run = self._new_run(epoch, 0, prepare)
+        return ahead
 
     def produce_now(self, key: Any, epoch: int, prepare: Prepare | None = None) -> Shard:
         """Produce one shard in the calling thread, exactly as the producers would (for resume)."""
@@ -855,7 +856,9 @@ class EpochRun:
                                                        error=f"{type(exc).__name__}: {exc}"))
                     return None
                 raise
-            stream.stats.add_shard(shard.record)
+            record = shard.record
+            assert record is not None  # _make records every shard it makes
+            stream.stats.add_shard(record)
             stream._remember_size(key, self.epoch, shard)
             expected = stream.shard_size(key, self.epoch) if stream.declared_size(key) \
                 is not None else None
@@ -866,9 +869,8 @@ class EpochRun:
                     "declared sizes on every rank, and a part left short repeats its last batch. "
                     "Fix shard_sizes", key, self.epoch, len(shard), expected)
             logger.info("shard %r ready: %d samples (generate %.2f s, load %.2f s, "
-                        "transform %.2f s%s)", key, len(shard), shard.record.generate_s,
-                        shard.record.load_s, shard.record.transform_s,
-                        ", cached" if shard.record.cache_hit else "")
+                        "transform %.2f s%s)", key, len(shard), record.generate_s,
+                        record.load_s, record.transform_s, ", cached" if record.cache_hit else "")
             return shard
 
     def _result(self, fut: cf.Future, key: Any = None) -> Shard:

@@ -41,7 +41,6 @@ import contextlib
 import errno
 import fcntl
 import glob
-import itertools
 import json
 import logging
 import os
@@ -291,7 +290,7 @@ class LocalShardCache:
         return {name: entry for name, entry in shards.items() if isinstance(entry, dict)
                 and _validate.is_int(entry.get("samples")) and entry["samples"] >= 0}
 
-    def record_sizes(self, sizes: Mapping[str, dict]) -> None:
+    def record_sizes(self, sizes: Mapping[str, Mapping[str, Any]]) -> None:
         """Add ``sizes`` (as :meth:`recorded_sizes` gives them) to the record, written whole
         and atomically: a reader sees the record before or after, never a part."""
         merged = {**self.recorded_sizes(), **sizes}
@@ -346,7 +345,9 @@ class LocalShardCache:
                 return path, True, pin
         if self.read_only:
             raise self._cannot_generate(name)
-        for attempt in itertools.count():  # a second deletion of cache_dir raises
+        attempt = -1
+        while True:  # a second deletion of cache_dir raises
+            attempt += 1
             try:
                 return self._create_locked(name, create, recipe)
             except (OSError, ShardError) as exc:

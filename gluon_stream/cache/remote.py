@@ -129,7 +129,7 @@ class RemoteShardCache(LocalShardCache):
         """None recorded: ``gluon-stream generate`` fills local caches only."""
         return {}
 
-    def record_sizes(self, sizes: Mapping[str, dict]) -> None:
+    def record_sizes(self, sizes: Mapping[str, Mapping[str, Any]]) -> None:
         raise NotImplementedError("sizes are recorded for local cache directories only")
 
     # -- pins: this process only (an object store has no locks) -----------------------------

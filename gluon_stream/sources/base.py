@@ -88,6 +88,17 @@ class Source(Closing):
         """Why this source cannot tell a shard's size without producing it, in words."""
         return "they are made on demand"
 
+    @property
+    def cached(self) -> bool:
+        """Whether shards are kept in a ``cache_dir`` (and :meth:`ensure_file` makes them there
+        without loading them); False here."""
+        return False
+
+    def ensure_file(self, key: Any, epoch: int) -> tuple[str | None, bool, float]:
+        """Make sure the shard is in the cache: ``(path, cache_hit, seconds)``; a source
+        without a cache makes nothing ahead: ``(None, True, 0.0)``."""
+        return None, True, 0.0
+
     def known_size(self, key: Any, epoch: int) -> int | None:
         """Sample count of a shard known before any process produces it, the same in every
         process (file headers; sizes recorded when a cache was filled ahead), else None.

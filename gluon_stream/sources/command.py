@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import errno
-import itertools
 import logging
 import os
 import re
@@ -111,7 +110,9 @@ class CommandSource(CachingSource):
 
     def _create(self, key: Any, epoch: int) -> str:
         name = self.shard_name(key, epoch)
-        for attempt in itertools.count():  # the last attempt raises (should_retry: no)
+        attempt = -1
+        while True:  # the last attempt raises (should_retry: no)
+            attempt += 1
             tmp = self._require_cache().temp_path(name, self.suffix)
             try:
                 self._run_once(key, epoch, tmp)
