@@ -24,7 +24,7 @@ from .feed import Carry, Mixed, UnitFeed, WindowFeed
 from .progress import ProgressBar
 from .state import LoaderState
 from .stats import EpochRecord
-from .stream import EpochRun, ShardStream
+from .stream import EpochRun, Shard, ShardStream
 
 __all__ = ["EpochPass", "EvenBatches", "PassSettings"]
 
@@ -142,10 +142,14 @@ class EpochPass:
 
     def __init__(self, stream: ShardStream, path: Any, settings: PassSettings,
                  start: LoaderState, limit: int | None, expected: int | None = None,
-                 carry: Carry | None = None) -> None:
+                 carry: Carry | None = None,
+                 handover: tuple[EpochRun, Shard | None] | None = None) -> None:
         self.stream, self.path, self.settings = stream, path, settings
         self.start = self.state = start
         self.carry = carry  # the data of start's carry, when the last pass rolled it over
+        # samples_per_epoch: the run the last epoch stopped in, and the shard it stopped inside;
+        # once this pass ends by its budget, what it hands the next one
+        self.handover = handover
         self.even = (EvenBatches(settings.batch_size, limit, start, settings.even == "pad",
                                  counted=settings.epoch_samples is None)
                      if settings.even else None)
@@ -188,6 +192,7 @@ class EpochPass:
                if settings.progress else None)
         worker_wait = path.wait_s
         runs: list[tuple[EpochRun, UnitFeed]] = []
+        handover, self.handover = self.handover, None
         try:
             carry = self.carry if self.carry is not None else \
                 self._rebuild_carry(position.carry, start.skipped)
@@ -195,7 +200,8 @@ class EpochPass:
             delivered = start.delivered
             empty = 0  # samples_per_epoch: passes in a row that read no sample
             while True:  # one run per pass over the keys (several with samples_per_epoch)
-                run, feed = self._start_run(position, carry, record)
+                run, feed = self._start_run(position, carry, record, handover)
+                handover = None
                 runs.append((run, feed))
                 for delivered, batch in self._deliver(run, feed, carry, delivered, record, bar):
                     yield batch
@@ -231,6 +237,9 @@ class EpochPass:
             assert end is not None  # the feed ended (a failure raised above)
             if settings.epoch_samples is not None and not end.end:
                 end = Position(end.epoch, end.unit, end.offset, end.carry, True, end.taken)
+            elif settings.epoch_samples is not None and settings.window == 1:
+                # the epoch read its samples: the next goes on in this run, in this shard
+                self.handover = (run, feed.current if end.offset else None)
             self._advance(end, self.state.delivered, run.skipped_at)
             record.complete = True
             self.finished = True
@@ -241,7 +250,8 @@ class EpochPass:
                                              settings.last_batch))
         finally:
             for run, feed in runs:
-                run.cancel()
+                if self.handover is None or run is not self.handover[0]:
+                    run.cancel()
                 record.skipped_shards += run.skipped
                 record.shard_wait_s += feed.shard_wait_s
                 record.mix_wait_s += feed.mix_wait_s
@@ -251,16 +261,24 @@ class EpochPass:
             if bar is not None:
                 bar.close(record)
 
-    def _start_run(self, position: Position, carry: Carry,
-                   record: EpochRecord) -> tuple[EpochRun, UnitFeed]:
-        """Production of a pass over the keys from ``position``, and its feed of units."""
+    def _start_run(self, position: Position, carry: Carry, record: EpochRecord,
+                   handover: tuple[EpochRun, Shard | None] | None = None
+                   ) -> tuple[EpochRun, UnitFeed]:
+        """Production of a pass over the keys from ``position`` (going on in the run the last
+        epoch handed over, where it fits), and its feed of units."""
         stream, settings, start = self.stream, self.settings, self.start
         k = settings.window
         if settings.epoch_samples is not None:
             stream.set_epoch(position.epoch)  # the pass over the keys, not the loader's epoch
         skip = WindowMixer.first_shard(position.unit, k)
+        reuse = None
+        if handover is not None:
+            reuse, inside = handover
+            if inside is not None and inside.index == position.unit and position.offset:
+                reuse.push_back(inside)  # read on from position.offset
         run = stream.start_epoch(skip=skip, prepare=self.path.prepare,
-                                 skipped=[j for e, j in start.skipped if e == position.epoch])
+                                 skipped=[j for e, j in start.skipped if e == position.epoch],
+                                 reuse=reuse)
         if settings.epoch_samples is not None:
             stream.forget_keys(position.epoch, skip)  # no later epoch starts before it
         planner = BatchPlanner(settings.batch_size, settings.last_batch, position,

@@ -106,6 +106,7 @@ class UnitFeed:
         self.mix_wait_s = 0.0  # time spent waiting for a window's unit to be gathered
         self.samples = 0  # samples of the shards handed out
         self.full_sizes: dict[int, int] = {}  # their samples before ranks took their parts
+        self.current: Shard | None = None  # the shard handed out last
         self.names: tuple[str, ...] | None = None  # the arrays' names, where they have some
         self.state = FeedState.READING
 
@@ -134,6 +135,7 @@ class UnitFeed:
             self.shard_wait_s += self.run.last_wait_s
 
     def _accept(self, shard: Shard) -> None:
+        self.current = shard
         self.record.peak_prefetch = max(self.record.peak_prefetch, self.run.ready_ahead() + 1)
         self.samples += len(shard)
         self.full_sizes[shard.index] = shard.full_size

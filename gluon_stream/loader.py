@@ -383,8 +383,10 @@ class StreamLoader(Closing):
         last = self._pass
         carry = last.carry if last is not None and last.finished and \
             last.state.position.carry == start.position.carry and start.position.carry else None
+        handover = last.handover if last is not None and last.finished and \
+            self._start is None and start.stream_epoch is not None else None
         self._pass = EpochPass(self.stream, self._path, self._settings, start, limit, expected,
-                               carry)
+                               carry, handover)
         return iter(self._pass)
 
     def _next_start(self, warn: bool = True) -> LoaderState:

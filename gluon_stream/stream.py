@@ -477,12 +477,14 @@ class ShardStream(Closing):
             run.cancel()
 
     def start_epoch(self, skip: int = 0, prepare: Prepare | None = None,
-                    skipped: Sequence[int] = ()) -> "EpochRun":
+                    skipped: Sequence[int] = (), reuse: "EpochRun | None" = None) -> "EpochRun":
         """Begin producing the current epoch after ``skip`` shards; cancels any unfinished pass.
 
         ``skipped``: positions of shards that failed before (``on_error='skip'``, recorded in a
         resumed state): they count as skipped again without being produced, so a resume sees
-        the epoch the interrupted pass saw.
+        the epoch the interrupted pass saw. ``reuse``: a pass of this epoch that stopped at
+        ``skip`` (an epoch of ``samples_per_epoch`` ended there): it goes on, with the shards it
+        produced ahead, instead of a new one.
 
         ``prepare(arrays, order, what)``, if given, runs in the producer threads after the transform
         and returns the shard's arrays in ``order`` in the form the consumer wants; without it
@@ -492,6 +494,12 @@ class ShardStream(Closing):
         self.check_open()
         epoch = self.epoch
         self.epoch += 1  # without set_epoch, the next pass is the next epoch
+        if reuse is not None and reuse.epoch == epoch and reuse.index_next() == skip \
+                and not reuse.cancelled and reuse.prepare is prepare and not skipped:
+            for old in list(self._res.runs):
+                if old is not reuse and old is not self._next_run:
+                    old.cancel()
+            return reuse
         ahead, self._next_run = self._next_run, None
         for old in list(self._res.runs):
             if old is not ahead:
@@ -660,6 +668,18 @@ class EpochRun:
         self._ahead: dict[int, cf.Future] = {}  # index -> generation into the cache
         # the consumer fills the window; producers finishing a shard start generations ahead
         self._lock = threading.RLock()
+
+    def index_next(self) -> int:
+        """The position of the shard :meth:`next_shard` hands out next."""
+        with self._lock:
+            return self.pending[0][1] if self.pending else self.index
+
+    def push_back(self, shard: Shard) -> None:
+        """Hand ``shard`` out again first (an epoch stopped inside it; the next goes on)."""
+        done: cf.Future = cf.Future()
+        done.set_result(shard)
+        with self._lock:
+            self.pending.appendleft((shard.key, shard.index, done))
 
     @property
     def cancelled(self) -> bool:

@@ -114,3 +114,26 @@ def test_an_endless_iterator_that_ends_ends_the_epoch_short():
         first = [batch_ids(b) for b in loader]
         second = [batch_ids(b) for b in loader]
     assert sum(len(b) for b in first) == 15 and sum(len(b) for b in second) == 6
+
+
+@pytest.mark.parametrize("kw", [{}, {"batchify_fn": "default"}, {"shuffle": True, "seed": 2}])
+def test_epochs_go_on_in_the_same_run_so_no_shard_is_made_twice(kw):
+    """An epoch that stops inside a shard hands the run to the next epoch: the shard it stopped
+    in, and those produced ahead, are not produced again."""
+    import collections
+
+    import mxnet as mx
+
+    if kw.get("batchify_fn") == "default":
+        kw = dict(kw, batchify_fn=mx.gluon.data.dataloader.default_batchify_fn)
+    made = collections.Counter()
+
+    def fn(key):
+        made[key] += 1
+        return dated(key)
+
+    with gs.StreamLoader(gs.FunctionSource(range(12), fn), batch_size=4, samples_per_epoch=10,
+                         prefetch=2, **kw) as loader:  # 4 epochs: 40 of a pass's 84 samples
+        flat = [i for e in epochs(loader, 4) for b in e for i in b]
+    assert len(flat) == len(set(flat)) == 40
+    assert max(made.values()) == 1, made
