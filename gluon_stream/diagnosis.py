@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 if TYPE_CHECKING:
-    from .stats import EpochRecord, ShardRecord
+    from .records import EpochRecord, ShardRecord
 
 __all__ = ["BOTTLENECKS", "Diagnosis", "LoaderSettings", "WAIT_THRESHOLD", "available_cores",
            "diagnose"]

@@ -23,7 +23,7 @@ from .errors import InvalidState, StreamError
 from .feed import Carry, Mixed, UnitFeed, WindowFeed
 from .progress import ProgressBar
 from .state import LoaderState
-from .stats import EpochRecord
+from .records import EpochRecord
 from .stream import EpochRun, Shard, ShardStream
 
 __all__ = ["EpochPass", "EvenBatches", "PassSettings"]

@@ -20,7 +20,7 @@ import numpy as np
 
 from .batching import Batch, BatchPlanner, MixedUnit, Position, Segment, UnitPlan, WindowMixer
 from .errors import LoaderClosed
-from .stats import EpochRecord
+from .records import EpochRecord
 from .stream import EpochRun, Shard
 
 __all__ = ["Carry", "FeedState", "Mixed", "UnitFeed", "WindowFeed"]

@@ -37,7 +37,8 @@ from .errors import LoaderClosed, SchemaMismatch, StreamError, add_note
 from .retry import ErrorPolicy, OnError, is_permanent
 from .shardfile import names_of, normalize_arrays
 from .sources import RawShard, Source
-from .stats import ShardRecord, Stats
+from .records import ShardRecord
+from .stats import Stats
 
 __all__ = ["EpochRun", "Prepare", "RunState", "Shard", "ShardStream"]
 
