@@ -43,7 +43,17 @@ def delivered(loader, limit=None):
 
 
 def pool_workers() -> list[psutil.Process]:
-    return psutil.Process().children()
+    """This process's children but multiprocessing's resource tracker, which a test of dask
+    (earlier in the session) starts and which lives as long as the session."""
+    return [p for p in psutil.Process().children()
+            if "resource_tracker" not in " ".join(_cmdline(p))]
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:  # gone meanwhile, or a zombie: not a tracker either way
+        return []
 
 
 def slow_sample(*sample):
