@@ -24,7 +24,7 @@ from .feed import Carry, Mixed, UnitFeed, WindowFeed
 from .progress import ProgressBar
 from .state import LoaderState
 from .records import EpochRecord
-from .stream import EpochRun, Shard, ShardStream
+from .stream import EpochRun, ShardStream
 
 __all__ = ["EpochPass", "EvenBatches", "PassSettings"]
 
@@ -142,13 +142,12 @@ class EpochPass:
 
     def __init__(self, stream: ShardStream, path: Any, settings: PassSettings,
                  start: LoaderState, limit: int | None, expected: int | None = None,
-                 carry: Carry | None = None,
-                 handover: tuple[EpochRun, Shard | None] | None = None) -> None:
+                 carry: Carry | None = None, handover: EpochRun | None = None) -> None:
         self.stream, self.path, self.settings = stream, path, settings
         self.start = self.state = start
         self.carry = carry  # the data of start's carry, when the last pass rolled it over
-        # samples_per_epoch: the run the last epoch stopped in, and the shard it stopped inside;
-        # once this pass ends by its budget, what it hands the next one
+        # samples_per_epoch: the run the last epoch stopped in (the shard it stopped inside
+        # handed out again first); once this pass ends by its budget, what it hands the next
         self.handover = handover
         self.even = (EvenBatches(settings.batch_size, limit, start, settings.even == "pad",
                                  counted=settings.epoch_samples is None)
@@ -239,7 +238,9 @@ class EpochPass:
                 end = Position(end.epoch, end.unit, end.offset, end.carry, True, end.taken)
             elif settings.epoch_samples is not None and settings.window == 1:
                 # the epoch read its samples: the next goes on in this run, in this shard
-                self.handover = (run, feed.current if end.offset else None)
+                if end.offset and feed.current is not None:
+                    run.push_back(feed.current)
+                self.handover = run
             self._advance(end, self.state.delivered, run.skipped_at)
             record.complete = True
             self.finished = True
@@ -250,20 +251,21 @@ class EpochPass:
                                              settings.last_batch))
         finally:
             for run, feed in runs:
-                if self.handover is None or run is not self.handover[0]:
+                if run is not self.handover:
                     run.cancel()
+                feed.current = None
                 record.skipped_shards += run.skipped
                 record.shard_wait_s += feed.shard_wait_s
                 record.mix_wait_s += feed.mix_wait_s
             record.worker_wait_s += path.wait_s - worker_wait
             record.wall_s = clock() - self._clock.start
             record.producers = stream.producers
+            self._clock.run = self._clock.feed = None  # nothing of the pass outlives it
             if bar is not None:
                 bar.close(record)
 
     def _start_run(self, position: Position, carry: Carry, record: EpochRecord,
-                   handover: tuple[EpochRun, Shard | None] | None = None
-                   ) -> tuple[EpochRun, UnitFeed]:
+                   handover: EpochRun | None = None) -> tuple[EpochRun, UnitFeed]:
         """Production of a pass over the keys from ``position`` (going on in the run the last
         epoch handed over, where it fits), and its feed of units."""
         stream, settings, start = self.stream, self.settings, self.start
@@ -271,14 +273,9 @@ class EpochPass:
         if settings.epoch_samples is not None:
             stream.set_epoch(position.epoch)  # the pass over the keys, not the loader's epoch
         skip = WindowMixer.first_shard(position.unit, k)
-        reuse = None
-        if handover is not None:
-            reuse, inside = handover
-            if inside is not None and inside.index == position.unit and position.offset:
-                reuse.push_back(inside)  # read on from position.offset
         run = stream.start_epoch(skip=skip, prepare=self.path.prepare,
                                  skipped=[j for e, j in start.skipped if e == position.epoch],
-                                 reuse=reuse)
+                                 reuse=handover)
         if settings.epoch_samples is not None:
             stream.forget_keys(position.epoch, skip)  # no later epoch starts before it
         planner = BatchPlanner(settings.batch_size, settings.last_batch, position,
