@@ -23,7 +23,7 @@ from _helpers import batch_ids
 
 pytestmark = pytest.mark.mxnet
 
-EXAMPLES = int(os.environ.get("GS_MODEL_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("GS_MODEL_EXAMPLES", "400"))
 PATHS = ("slices", "inline", "threads", "processes")
 
 
@@ -139,7 +139,7 @@ def expected(cfg, epochs):
     return [b for epoch in model.batches(cfg, epochs) for b in epoch]
 
 
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 100,
+@settings(max_examples=EXAMPLES, deadline=None, derandomize="GS_MODEL_EXAMPLES" not in os.environ,
           suppress_health_check=list(HealthCheck))
 @given(cfg=configs(), epochs=st.integers(1, 3),
        path=st.sampled_from(["slices"] * 4 + ["inline", "inline", "threads", "processes"]),
