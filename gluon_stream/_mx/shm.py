@@ -74,7 +74,7 @@ class SharedArrays(tuple):
     """Arrays that live in one anonymous shared-memory file, which this process does not map.
 
     The items are placeholders with the arrays' shapes and dtypes (for ``len()`` and schema
-    checks; they hold no data); :meth:`rows` reads real rows, and a worker maps the file with
+    checks; they hold no data); :meth:`take` reads real rows, and a worker maps the file with
     :func:`attach`. Keeping no mapping costs this process one file descriptor per shard and
     nothing else (a Python ``mmap`` holds a duplicate descriptor while it lives). The
     descriptor is closed when the object is garbage collected, or by :meth:`close`.
@@ -108,15 +108,16 @@ class SharedArrays(tuple):
             _fill(views, arrays, order)
         return shared
 
-    def rows(self, start: int, stop: int) -> tuple[np.ndarray, ...]:
-        """Copies of rows ``start .. stop - 1`` of every array."""
-        return self.take(range(start, stop))
-
     def take(self, rows: Any) -> tuple[np.ndarray, ...]:
         """Copies of some rows (a range or indices) of every array."""
         index = row_index(rows)
         with _mapped(self.fd, self.layout) as views:
             return tuple(v[index] for v in views)
+
+    @property
+    def closed(self) -> bool:
+        """Whether the file descriptor is closed (by :meth:`close` or garbage collection)."""
+        return not self._file.close.alive
 
     def close(self) -> None:
         """Close the file descriptor now."""
