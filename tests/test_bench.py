@@ -78,6 +78,7 @@ def test_bench_runs_end_to_end_and_json_has_every_contender_and_figure(tmp_path,
     assert {"baseline_mb", "peak_over_baseline_mb", "bound_mb", "rss_slope_mb_per_epoch",
             "rss_per_epoch_mb", "overhead_mb", "peak_over_import_baseline_mb"} <= set(memory)
     assert len(memory["rss_per_epoch_mb"]) == 2
+    assert memory["function_source"]["rows"] == 51 and memory["function_source"]["bound_mb"] > 0
     assert results["targets"] and all({"target", "value", "limit", "met"} <= set(t)
                                       for t in results["targets"])
 

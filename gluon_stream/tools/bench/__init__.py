@@ -138,8 +138,10 @@ def run_bench(config: BenchConfig) -> dict:
                                                        batch_size=config.throughput_batch_size,
                                                        step_ms=base.step_ms, seed=base.seed)
         elif scenario == "memory":
-            results[scenario] = run_memory_scenario(replace(base, rows=config.memory_rows),
-                                                    config.memory_epochs)
+            # the FunctionSource variant's shards scale with --memory-rows (78000: 20000 rows)
+            results[scenario] = run_memory_scenario(
+                replace(base, rows=config.memory_rows), config.memory_epochs,
+                function_rows=max(1, round(config.memory_rows * 20000 / 78000)))
         elif scenario == "stragglers":
             results[scenario] = run_stragglers_scenario(
                 base, config.rounds, config.contenders, delay=config.delay,

@@ -2,6 +2,11 @@
 
 The bound is ``(prefetch + 2)`` shards: the shard in use, ``prefetch`` more produced ahead, and
 one being copied into its NDArray (its source and its copy exist together for a moment).
+
+Two sources: the built-in generator through a CommandSource (``make_windows``: the windows are
+views of a raw array 16x smaller, so a shard's source is small), and ``function_source``: a
+FunctionSource whose function allocates every shard, six ``(20000, 30, 16)`` float32 arrays and
+a label (38.5 MB), batch 256, so that a shard's source is as large as its copy.
 Before the measured run the same loader runs 2 epochs of near-empty shards: what it costs
 (imports on first use, threads, the allocator's per-thread arenas) is ``overhead_mb``, which the
 measured run's baseline then includes. ``peak_over_import_baseline_mb`` counts it too (the
@@ -13,24 +18,42 @@ import functools
 import gc
 import tempfile
 from dataclasses import asdict, replace
+from typing import Any
 
-from ... import CommandSource, StreamLoader
+import numpy as np
+
+from ... import CommandSource, FunctionSource, StreamLoader
 from ..generator import make_windows
 from .measure import RssSampler, batch_arrays, rss_bytes, slope
 from .pipeline import GENERATOR_TIMEOUT_S
 from .workload import Workload
 
-__all__ = ["run_memory_scenario"]
+__all__ = ["FUNCTION_SHAPE", "run_memory_scenario"]
 
 WARMUP_EPOCHS = 2
+FUNCTION_SHAPE = (30, 16)  # per sample, in the FunctionSource variant
+FUNCTION_BATCH = 256
 
 
-def _run(workload: Workload, epochs: int) -> tuple[int, int, list[int]]:
-    """(baseline, peak RSS, RSS after each epoch) of a StreamLoader over ``epochs`` epochs."""
+def _random_shard(rows: int, key: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(key)
+    return (rng.standard_normal((rows,) + FUNCTION_SHAPE, dtype=np.float32),
+            rng.standard_normal(rows, dtype=np.float32))
+
+
+def _run(workload: Workload, epochs: int, function_rows: int | None = None
+         ) -> tuple[int, int, list[int]]:
+    """(baseline, peak RSS, RSS after each epoch) of a StreamLoader over ``epochs`` epochs:
+    over the generator, or over a FunctionSource of ``function_rows`` rows a shard."""
     with tempfile.TemporaryDirectory(prefix="gluon_stream_bench_") as tmp:
-        source = CommandSource(workload.keys(), replace(workload, delay=0.0).command(),
-                               cache_dir=tmp, timeout=GENERATOR_TIMEOUT_S, retries=0)
-        transform = functools.partial(make_windows, time_steps=workload.time_steps)
+        if function_rows is None:
+            source: Any = CommandSource(workload.keys(), replace(workload, delay=0.0).command(),
+                                        cache_dir=tmp, timeout=GENERATOR_TIMEOUT_S, retries=0)
+            transform: Any = functools.partial(make_windows, time_steps=workload.time_steps)
+        else:
+            source = FunctionSource(range(workload.shards),
+                                    functools.partial(_random_shard, function_rows))
+            transform = None
         gc.collect()
         baseline = rss_bytes()
         sampler = RssSampler()
@@ -51,21 +74,35 @@ def _run(workload: Workload, epochs: int) -> tuple[int, int, list[int]]:
     return baseline, peak, per_epoch
 
 
-def run_memory_scenario(workload: Workload, epochs: int) -> dict:
-    """Peak RSS and RSS slope of a StreamLoader rotating through ``epochs`` epochs."""
+def _measure(workload: Workload, epochs: int, shard_bytes: int,
+             function_rows: int | None = None) -> dict:
     gc.collect()
     first = rss_bytes()
-    tiny = replace(workload, rows=workload.time_steps + 2 * workload.batch_size)
-    warm_base, warm_peak, _ = _run(tiny, WARMUP_EPOCHS)
-    baseline, peak, per_epoch = _run(workload, epochs)
+    tiny_rows = workload.time_steps + 2 * workload.batch_size
+    warm_base, warm_peak, _ = _run(replace(workload, rows=tiny_rows), WARMUP_EPOCHS,
+                                   None if function_rows is None else tiny_rows)
+    baseline, peak, per_epoch = _run(workload, epochs, function_rows)
     mb = 2 ** 20
-    rate = slope(per_epoch) / mb
-    late = slope(per_epoch[len(per_epoch) // 2:]) / mb
-    bound = (workload.prefetch + 2) * workload.shard_bytes
-    return {"workload": asdict(workload), "epochs": epochs, "baseline_mb": baseline / mb,
-            "shard_mb": workload.shard_bytes / mb, "peak_over_baseline_mb": (peak - baseline) / mb,
+    bound = (workload.prefetch + 2) * shard_bytes
+    return {"epochs": epochs, "baseline_mb": baseline / mb, "shard_mb": shard_bytes / mb,
+            "peak_over_baseline_mb": (peak - baseline) / mb,
             "peak_over_import_baseline_mb": (peak - first) / mb,
             "overhead_mb": (warm_peak - warm_base) / mb,
             "bound_mb": bound / mb, "within_bound": bool(peak - baseline <= bound),
-            "rss_slope_mb_per_epoch": rate, "rss_slope_second_half_mb_per_epoch": late,
+            "rss_slope_mb_per_epoch": slope(per_epoch) / mb,
+            "rss_slope_second_half_mb_per_epoch": slope(per_epoch[len(per_epoch) // 2:]) / mb,
             "rss_per_epoch_mb": [round((r - baseline) / mb, 2) for r in per_epoch]}
+
+
+def run_memory_scenario(workload: Workload, epochs: int,
+                        function_rows: int | None = 20000) -> dict:
+    """Peak RSS and RSS slope of a StreamLoader rotating through ``epochs`` epochs, over the
+    generator and (unless ``function_rows`` is None) over a FunctionSource (module doc)."""
+    out = {"workload": asdict(workload),
+           **_measure(workload, epochs, workload.shard_bytes)}
+    if function_rows is not None:
+        rows_bytes = function_rows * (int(np.prod(FUNCTION_SHAPE)) + 1) * 4
+        function = replace(workload, batch_size=FUNCTION_BATCH)
+        out["function_source"] = {"rows": function_rows, "batch_size": FUNCTION_BATCH,
+                                  **_measure(function, epochs, rows_bytes, function_rows)}
+    return out

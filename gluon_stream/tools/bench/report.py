@@ -77,6 +77,10 @@ def targets(results: dict) -> list[dict]:
     if mem:
         add("memory: peak RSS over baseline, MB (limit: (prefetch+2) shards)",
             mem["peak_over_baseline_mb"], round(mem["bound_mb"], 2), "<=")
+        fn = mem.get("function_source")
+        if fn:
+            add("memory, FunctionSource: peak RSS over baseline, MB (limit: (prefetch+2) shards)",
+                fn["peak_over_baseline_mb"], round(fn["bound_mb"], 2), "<=")
     for name, c in results.get("stragglers", {}).get("contenders", {}).items():
         if name.startswith("gluon_stream"):
             add(f"stragglers: {name} x ideal", c["x_ideal"], 1.10, "<=")
@@ -186,6 +190,14 @@ def format_results(results: dict) -> str:
             f"(near-empty shards, in the baseline) {fmt(mem.get('overhead_mb'), '.1f')} MB, "
             "peak over the baseline after import "
             f"{fmt(mem.get('peak_over_import_baseline_mb'), '.1f')} MB")
+        fn = mem.get("function_source")
+        if fn:
+            lines.append(
+                f"  FunctionSource allocating each shard ({fn['rows']} rows of 30x16, shard "
+                f"{fn['shard_mb']:.1f} MB, batch {fn['batch_size']}): peak baseline + "
+                f"{fn['peak_over_baseline_mb']:.1f} MB (bound {fn['bound_mb']:.1f} MB: "
+                f"{'within' if fn['within_bound'] else 'OVER'}), after import "
+                f"{fmt(fn.get('peak_over_import_baseline_mb'), '.1f')} MB")
     lines.extend(_stragglers_lines(results.get("stragglers")))
     lines.extend(_window_epochs_lines(results.get("window-epochs")))
     targets = results.get("targets")
