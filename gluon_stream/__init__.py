@@ -7,7 +7,7 @@ the training loop consumes the current one; batches stay full across shard bound
 Importing gluon_stream does not import MXNet: that happens on first use (a loader, a
 ``StreamIter``), so shard files, sources and ``gluon-stream inspect`` work without it.
 """
-from ._mx import require_mxnet as import_mxnet
+from ._mx import import_mxnet
 from ._version import __version__
 from .diagnosis import Diagnosis
 from .errors import (BatchTimeout, CorruptShard, LoaderClosed, SchemaMismatch, ShardError,

@@ -30,10 +30,10 @@ import tempfile
 from typing import Any, Callable
 
 from . import _validate
-from ._mx import mxnet_available, require_mxnet
+from ._mx import mxnet_available, import_mxnet
 from .errors import InvalidState
 from .loader import StreamLoader
-from .shardfile import remove_if_exists
+from ._files import remove_if_exists
 
 __all__ = ["STATE_SUFFIX", "StreamCheckpoint", "do_checkpoint", "load_checkpoint"]
 
@@ -124,7 +124,7 @@ def do_checkpoint(prefix: str, loader: StreamLoader,
         mlp-0002.params
         mlp-symbol.json
     """
-    mx = require_mxnet()
+    mx = import_mxnet()
     _check_loader(loader)
     period = _validate.integer("period", period, minimum=1)
     save_params = mx.callback.do_checkpoint(prefix, period)
@@ -176,7 +176,7 @@ def load_checkpoint(prefix: str, epoch: int, loader: StreamLoader) -> tuple[Any,
         ...                                arg_params=arg_params, aux_params=aux_params)
         1
     """
-    mx = require_mxnet()
+    mx = import_mxnet()
     _check_loader(loader)
     epoch = _validate.integer("epoch", epoch, minimum=0)
     params = mx.model.load_checkpoint(prefix, epoch)
@@ -187,7 +187,7 @@ def load_checkpoint(prefix: str, epoch: int, loader: StreamLoader) -> tuple[Any,
 def _checkpoint_handler_base() -> type:
     """MXNet's ``CheckpointHandler``, or ``object`` where MXNet cannot be imported (then
     ``StreamCheckpoint(...)`` raises the ImportError that names the extra to install)."""
-    return require_mxnet().gluon.contrib.estimator.CheckpointHandler if mxnet_available() \
+    return import_mxnet().gluon.contrib.estimator.CheckpointHandler if mxnet_available() \
         else object
 
 
@@ -238,7 +238,7 @@ class StreamCheckpoint(_checkpoint_handler_base()):  # type: ignore[misc]
                  mode: str = "auto", epoch_period: int | None = 1,
                  batch_period: int | None = None, max_checkpoints: int = 5,
                  resume_from_checkpoint: bool = False) -> None:
-        require_mxnet()
+        import_mxnet()
         _check_loader(loader)
         for name, period in (("epoch_period", epoch_period), ("batch_period", batch_period)):
             if period is not None:

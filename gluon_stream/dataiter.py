@@ -29,7 +29,7 @@ from typing import Any, Generator, Mapping, Sequence
 import numpy as np
 
 from ._closing import Closing
-from ._mx import data_iter_base, require_mxnet
+from ._mx import data_iter_base, import_mxnet
 from ._mx.padding import pad_rows
 from .loader import StreamLoader
 
@@ -74,7 +74,7 @@ class StreamIter(data_iter_base(), Closing):  # type: ignore[misc]  # mx.io.Data
     def __init__(self, loader: Any, data_names: Sequence[str] = ("data",),
                  label_names: Sequence[str] = ("softmax_label",), *,
                  layouts: Mapping[str, str] | None = None) -> None:
-        mx = require_mxnet()
+        mx = import_mxnet()
         if not isinstance(loader, StreamLoader):
             raise TypeError(f"loader must be a gluon_stream.StreamLoader, got "
                             f"{type(loader).__name__}")

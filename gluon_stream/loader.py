@@ -26,17 +26,19 @@ from . import _validate
 from ._closing import Closing
 from ._lifecycle import check_owner, track
 from ._mx import arrays as mx_arrays
-from ._mx import gluon_data_loader, require_mxnet
+from ._mx import gluon_data_loader, import_mxnet
 from ._mx import workers as mx_workers
 from ._mx.samples import SAMPLE_FORMATS, SampleFormat
-from .batching import LAST_BATCH_MODES, LastBatch, Position
-from .distributed import resolve_parts
-from .epoch import EpochPass, PassSettings
-from .errors import InvalidState, LoaderClosed, SizeUnknown
-from .paths import SamplePath, SlicePath
-from .retry import OnError
+from ._batching import LAST_BATCH_MODES, LastBatch
+from ._distributed import resolve_parts
+from ._epoch import EpochPass, PassSettings
+from .errors import LoaderClosed, SizeUnknown
+from ._batch_paths import SamplePath, SlicePath
+from ._retry import OnError
 from .sources import Source
-from .state import LoaderState, decode_state, encode_state
+from ._state import decode_state, encode_state
+from ._starts import PassStarts
+from ._counts import BatchCounts
 from .stats import Stats
 from .stream import ShardStream
 
@@ -165,20 +167,12 @@ class StreamLoader(Closing):
                  = _validate.UNSET, num_epochs: int | None = _validate.UNSET,
                  ctx: Any = None, shards_on_ctx: bool = False,
                  samples_per_epoch: int | None = None) -> None:
-        require_mxnet()
+        import_mxnet()
         self.batch_size = _validate.integer("batch_size", batch_size, minimum=1)
         self.last_batch = _validate.choice("last_batch", last_batch, LAST_BATCH_MODES)
         self.num_workers = _validate.integer("num_workers", num_workers, minimum=0)
         self.timeout = _validate.seconds("timeout", timeout)
-        if even_batches not in (True, False, "pad"):
-            raise ValueError(f"even_batches must be True, False or 'pad', got {even_batches!r}")
-        if even_batches is True and last_batch == "rollover":
-            raise ValueError("even_batches=True delivers only full batches, so last_batch='rollover' "
-                             "has nothing to roll over; use last_batch='keep' or 'discard'")
-        if even_batches == "pad" and last_batch != "keep":
-            raise ValueError(f"even_batches='pad' yields every sample once, the last batch padded; "
-                             f"last_batch={last_batch!r} would drop or carry samples: use "
-                             "last_batch='keep'")
+        _check_even_batches(even_batches, self.last_batch)
         _validate.callable_or_none("sample_transform", sample_transform)
         _validate.callable_or_none("batchify_fn", batchify_fn)
         self.sample_format = _validate.choice("sample_format", sample_format, SAMPLE_FORMATS)
@@ -188,22 +182,7 @@ class StreamLoader(Closing):
             ("schema", schema), ("stats", stats), ("num_parts", num_parts),
             ("part_index", part_index), ("kvstore", kvstore), ("shard_sizes", shard_sizes),
             ("num_epochs", num_epochs)) if _validate.is_set(value)}
-        if isinstance(source, ShardStream):
-            if given:
-                raise ValueError(f"{', '.join(given)} given to StreamLoader together with a "
-                                 "ShardStream: set them on the ShardStream instead")
-            stream, owns = source, False
-        else:
-            if even_batches and samples_per_epoch is None and not _sizes_known(source, given):
-                parts, index = resolve_parts(given.get("num_parts", 1), given.get("part_index", 0),
-                                             kvstore=given.get("kvstore"))
-                if parts > 1:  # equal counts without sizes: every rank takes its stride
-                    deal = "strides" if even_batches == "pad" else "samples"
-                    given.update(num_parts=parts, part_index=index, deal=deal)
-                    logger.info("even_batches=%r with shard sizes unknown: every rank produces "
-                                "every shard and takes its stride of the samples (deal=%r)",
-                                even_batches, deal)
-            stream, owns = ShardStream(source, **given), True
+        stream, owns = _stream_of(source, given, even_batches, samples_per_epoch)
         self.shuffle_window = _validate.integer("shuffle_window", shuffle_window, minimum=1)
         if self.shuffle_window > 1 and not stream.shuffle:
             raise ValueError(f"shuffle_window={shuffle_window} mixes the samples of several "
@@ -225,33 +204,19 @@ class StreamLoader(Closing):
         self.vectorised = batchify_fn is None and sample_transform is None
         self.samples_per_epoch = (None if samples_per_epoch is None else _validate.integer(
             "samples_per_epoch", samples_per_epoch, minimum=1, hint="or None"))
-        self._epoch = 0  # samples_per_epoch: the loader's epoch (the stream's is its key pass)
         stream.keep_keys = self.samples_per_epoch is not None  # epochs restart passes
-        self._pass: EpochPass | None = None  # the pass in progress, or the last one
-        self._start: LoaderState | None = None  # where the next pass starts (a loaded state)
+        self._starts = PassStarts(stream, self.samples_per_epoch)
+        self._counts = BatchCounts(stream, self.batch_size, self.last_batch, even_batches,
+                                   self.samples_per_epoch)
         self.ctx = _check_ctx(ctx, shards_on_ctx, self.vectorised)
         self.shards_on_ctx = bool(shards_on_ctx)
-        if self.vectorised:
-            home = self.ctx if self.shards_on_ctx else mx_arrays.batch_context(pin_memory,
-                                                                                pin_device_id)
-            path: Any = SlicePath(home, mixed=self.shuffle_window > 1)
-            if num_workers:
-                logger.info("num_workers=%d unused: without batchify_fn/sample_transform, batches "
-                            "are slices of a shard prepared in the background", num_workers)
-        else:
-            workers = mx_workers.make_workers(
-                num_workers, bool(thread_pool),
-                {"sample_transform": sample_transform, "batchify_fn": batchify_fn,
-                 "sample_format": self.sample_format}, stream.error_policy.retries)
-            path = SamplePath(workers, self.timeout,
-                              mx_arrays.batch_context(True, pin_device_id) if pin_memory else None)
-        self._path = path
+        self._path = path = _batch_path(self, stream.error_policy.retries)
         self._settings = PassSettings(self.batch_size, self.last_batch, self.shuffle_window,
                                       self.even_batches, progress,
                                       None if self.shards_on_ctx else self.ctx,
                                       self.samples_per_epoch)
         self._res = _LoaderResources(stream, owns, path)
-        # issue 21 item 5: the settings stats.diagnose() bases its advice on (one call)
+        # the settings stats.diagnose() bases its advice on
         stream.stats.describe(
             producers=stream.producers, auto_producers=stream.auto_producers,
             remote=isinstance(producers, Executor), prefetch=stream.prefetch,
@@ -272,20 +237,18 @@ class StreamLoader(Closing):
     @property
     def epoch(self) -> int:
         """The epoch the next iteration will produce."""
-        return self.stream.epoch if self.samples_per_epoch is None else self._epoch
+        return self._starts.epoch
 
     @property
     def names(self) -> tuple[str, ...] | None:
         """The names of the arrays in a batch, in order, when the shards name them (a dict
         returned by ``fn`` or ``transform``, an ``.npz`` saved by name); None otherwise."""
-        return self._pass.names if self._pass is not None else None
+        last = self._starts.last
+        return last.names if last is not None else None
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch of the next pass (its keys, shuffle order and cache entries)."""
-        if self.samples_per_epoch is None:
-            self.stream.set_epoch(epoch)
-        else:
-            self._epoch = _validate.integer("epoch", epoch, minimum=0)
+        self._starts.set_epoch(_validate.integer("epoch", epoch, minimum=0))
 
     def __bool__(self) -> bool:
         """Always true: ``if val_data:`` (Estimator) must not ask ``len()``, which is unknown
@@ -296,138 +259,31 @@ class StreamLoader(Closing):
         """Batches of the next pass's epoch, counted from its start, as it yields them: with
         even_batches the count every part yields (the same on every rank)."""
         epoch = self.epoch
-        start = self._next_start(warn=False).position
-        count = self._num_batches(epoch, start.carried if start.epoch == epoch
-                                  and start.unit == start.offset == 0 else 0)
+        start = self._starts.next(warn=False).position
+        count = self._counts.batches(epoch, start.carried if start.epoch == epoch
+                                     and start.unit == start.offset == 0 else 0)
         if count is None:
             raise SizeUnknown(f"len(StreamLoader) is unknown for epoch {epoch}: "
-                            f"{self._unknown_size_reason(epoch)}")
+                              f"{self._counts.unknown_reason(epoch)}")
         return count
-
-    def _unknown_size_reason(self, epoch: int) -> str:
-        """Why this loader cannot count an epoch's samples without producing it, and the fix."""
-        stream = self.stream
-        _, finite, keys = stream.epoch_keys(epoch)
-        if not finite or keys is None:
-            return ("the keys are an endless iterator, so the epoch has no known end (iterate "
-                    "with a fixed number of steps instead)")
-        unknown = [k for k in keys if stream.shard_size(k, epoch) is None]
-        why = [stream.source.unknown_size_reason()]
-        if stream.transform is not None:
-            why.insert(0, "a transform may change the sample counts of the files")
-        return (f"the sizes of {len(unknown)} of {len(keys)} shards (e.g. {unknown[0]!r}) are not "
-                f"known without producing them ({'; '.join(why)}). "
-                "Pass shard_sizes= (a dict, fn(key), or one int for every shard), fill the cache "
-                "ahead with gluon-stream generate, or read existing files with FileSource; sizes "
-                "of shards seen in an earlier pass are reused when the data cannot change")
 
     @property
     def pad(self) -> int:
         """Rows at the end of the batch just yielded that are padding (``even_batches='pad'``),
         as ``DataBatch.pad``: 0 for every batch but an epoch's last ones."""
-        return self._pass.pad if self._pass is not None else 0
-
-    def _num_batches(self, epoch: int, carried: int = 0) -> int | None:
-        """Batches epoch ``epoch`` yields from its start (``carried``: samples rolled over)."""
-        if self.samples_per_epoch is not None:  # rolled over: what the epochs before left
-            n, bs = self.samples_per_epoch, self.batch_size
-            full, rest = divmod(n + (epoch * n % bs if self.last_batch == "rollover" else 0), bs)
-            keeps = self.even_batches == "pad" or (self.last_batch == "keep"
-                                                   and not self.even_batches)
-            return full + (1 if rest and keeps else 0)
-        if self.even_batches:
-            limit = self._even_limit(epoch)
-            if limit is not None or self.even_batches == "pad":
-                return limit
-        total = self.stream.epoch_size(epoch)
-        if total is None:
-            return None
-        full, rest = divmod(total + carried, self.batch_size)
-        return full + (1 if rest and self.last_batch == "keep" and not self.even_batches else 0)
-
-    def _even_limit(self, epoch: int) -> int | None:
-        """With even_batches, the batch count every part yields in ``epoch``: the smallest
-        part's full batches, by the declared or known sizes. None where the parts hold equal
-        counts by construction (``deal='samples'``, or one part): every full batch.
-
-        With ``'pad'``: the largest part's batches, the last one short; None where that is
-        only known once the epoch's shards are seen (``deal='strides'``, or one part)."""
-        stream = self.stream
-        if self.samples_per_epoch is not None:  # every part reads as many samples
-            return None
-        if self.even_batches == "pad":
-            sizes = stream.part_sizes(epoch)
-            return None if sizes is None else -(-max(sizes) // self.batch_size)
-        if not self.even_batches or stream.deal == "samples" or stream.num_parts == 1:
-            return None
-        sizes = stream.part_sizes(epoch)
-        if sizes is None:
-            raise SizeUnknown(
-                f"even_batches=True needs every shard's size for epoch {epoch} on every rank: "
-                f"{self._unknown_size_reason(epoch)}")
-        return min(sizes) // self.batch_size
+        last = self._starts.last
+        return last.pad if last is not None else 0
 
     def __iter__(self) -> Generator[Any, None, None]:
         self._check_open()
-        start = self._next_start()
-        self._start = None
-        if start.position.end:  # the rest of an ended epoch (a resumed state): nothing
-            if self.samples_per_epoch is None:
-                self.stream.set_epoch(start.epoch + 1)
-            limit = None
-        else:
-            limit = self._even_limit(start.epoch)
-        self._epoch = start.epoch + 1  # samples_per_epoch: without set_epoch, the next one
-        expected = self._num_batches(start.epoch, start.position.carried) \
-            if self.progress and not start.position.end else None
-        last = self._pass
-        carry = last.carry if last is not None and last.finished and \
-            last.state.position.carry == start.position.carry and start.position.carry else None
-        handover = last.handover if last is not None and last.finished and \
-            self._start is None and start.stream_epoch is not None else None
-        self._pass = EpochPass(self.stream, self._path, self._settings, start, limit, expected,
-                               carry, handover)
-        return iter(self._pass)
-
-    def _next_start(self, warn: bool = True) -> LoaderState:
-        """Where the next pass starts: a loaded state, or the stream's epoch with what the last
-        pass rolled over."""
-        if self.samples_per_epoch is not None:
-            return self._stream_start()
-        epoch = self.stream.epoch
-        loaded = self._start
-        if loaded is not None:
-            if loaded.epoch == epoch:
-                return loaded
-            if loaded.position.end and loaded.epoch + 1 == epoch:  # the next epoch, as it said
-                return LoaderState(loaded.position.next_epoch(), skipped=loaded.skipped)
-            if warn:
-                logger.warning("state loaded for epoch %d, but epoch %d starts: iterating it "
-                               "from its beginning", loaded.epoch, epoch)
-            return LoaderState(Position(epoch))
-        last = self._pass
-        if last is not None and last.finished:
-            return LoaderState(Position(epoch, carry=last.state.position.carry),
-                               skipped=last.state.skipped)
-        return LoaderState(Position(epoch))
-
-    def _stream_start(self) -> LoaderState:
-        """samples_per_epoch: where epoch :attr:`epoch` starts in the stream: where the one
-        before it stopped (as it ended, or as far as the loop took it)."""
-        epoch, loaded, last = self._epoch, self._start, self._pass
-        before = loaded if loaded is not None else last.state if last is not None else None
-        if before is not None and before.epoch == epoch and loaded is not None:
-            return loaded
-        if before is not None and before.epoch + 1 == epoch:
-            p = before.position
-            return LoaderState(Position(p.epoch, p.unit, p.offset, p.carry),
-                               skipped=before.skipped, stream_epoch=epoch)
-        if before is None and epoch == 0:
-            return LoaderState(Position(0), stream_epoch=0)
-        raise InvalidState(
-            f"samples_per_epoch={self.samples_per_epoch}: epoch {epoch} starts where epoch "
-            f"{epoch - 1} stopped in the stream, which this loader has not reached: iterate the "
-            "epochs in order, or load the state saved in the epoch before")
+        start, carry, handover = self._starts.begin()
+        end = start.position.end  # the rest of an ended epoch (a resumed state): nothing
+        limit = None if end else self._counts.even_limit(start.epoch)
+        expected = self._counts.batches(start.epoch, start.position.carried) \
+            if self.progress and not end else None
+        self._starts.last = EpochPass(self.stream, self._path, self._settings, start, limit,
+                                      expected, carry, handover)
+        return iter(self._starts.last)
 
     def _settings_saved(self) -> dict:
         """What decides the batches, stored in a state and checked on load."""
@@ -449,11 +305,7 @@ class StreamLoader(Closing):
         resume with a changed key list is refused instead of repeating or skipping samples) and
         a checksum (an edited state is refused).
         """
-        last = self._pass
-        if self._start is not None or last is None or last.finished:
-            state = self._next_start()
-        else:
-            state = last.state
+        state = self._starts.current()
         return encode_state(state, self._settings_saved(),
                             self.stream.epoch_keys(state.position.epoch)[2])
 
@@ -478,9 +330,7 @@ class StreamLoader(Closing):
                                lambda epoch: self._keys_with_seed(epoch, settings["seed"]))
         if adopt and seed is not None:
             self.stream.adopt_seed(int(seed))
-        self._start = decoded
-        self._pass = None
-        self.set_epoch(decoded.epoch)
+        self._starts.load(decoded)
 
     def _keys_with_seed(self, epoch: int, seed: int) -> list | None:
         return self.stream.epoch_keys(epoch, seed=seed)[2]
@@ -496,9 +346,59 @@ class StreamLoader(Closing):
         self.stream.check_open()
 
 
+def _check_even_batches(even_batches: Any, last_batch: str) -> None:
+    if even_batches not in (True, False, "pad"):
+        raise ValueError(f"even_batches must be True, False or 'pad', got {even_batches!r}")
+    if even_batches is True and last_batch == "rollover":
+        raise ValueError("even_batches=True delivers only full batches, so last_batch='rollover' "
+                         "has nothing to roll over; use last_batch='keep' or 'discard'")
+    if even_batches == "pad" and last_batch != "keep":
+        raise ValueError(f"even_batches='pad' yields every sample once, the last batch padded; "
+                         f"last_batch={last_batch!r} would drop or carry samples: use "
+                         "last_batch='keep'")
+
+
+def _stream_of(source: Source | ShardStream, given: dict[str, Any], even_batches: bool | str,
+               samples_per_epoch: int | None) -> tuple[ShardStream, bool]:
+    """(the stream, whether the loader owns it): the one given, or one built from ``source``
+    with the stream's arguments the loader was given."""
+    if isinstance(source, ShardStream):
+        if given:
+            raise ValueError(f"{', '.join(given)} given to StreamLoader together with a "
+                             "ShardStream: set them on the ShardStream instead")
+        return source, False
+    if even_batches and samples_per_epoch is None and not _sizes_known(source, given):
+        parts, index = resolve_parts(given.get("num_parts", 1), given.get("part_index", 0),
+                                     kvstore=given.get("kvstore"))
+        if parts > 1:  # equal counts without sizes: every rank takes its stride
+            deal = "strides" if even_batches == "pad" else "samples"
+            given.update(num_parts=parts, part_index=index, deal=deal)
+            logger.info("even_batches=%r with shard sizes unknown: every rank produces "
+                        "every shard and takes its stride of the samples (deal=%r)",
+                        even_batches, deal)
+    return ShardStream(source, **given), True
+
+
+def _batch_path(loader: StreamLoader, retries: int) -> Any:
+    """The slice path (vectorised), or the sample path on the workers ``num_workers`` asks."""
+    if loader.vectorised:
+        home = loader.ctx if loader.shards_on_ctx else mx_arrays.batch_context(
+            loader.pin_memory, loader.pin_device_id)
+        if loader.num_workers:
+            logger.info("num_workers=%d unused: without batchify_fn/sample_transform, batches "
+                        "are slices of a shard prepared in the background", loader.num_workers)
+        return SlicePath(home, mixed=loader.shuffle_window > 1)
+    workers = mx_workers.make_workers(
+        loader.num_workers, bool(loader.thread_pool),
+        {"sample_transform": loader.sample_transform, "batchify_fn": loader.batchify_fn,
+         "sample_format": loader.sample_format}, retries)
+    return SamplePath(workers, loader.timeout, mx_arrays.batch_context(True, loader.pin_device_id)
+                      if loader.pin_memory else None)
+
+
 def _check_ctx(ctx: Any, shards_on_ctx: bool, vectorised: bool) -> Any:
     """``ctx`` checked: None, an MXNet context, or a non-empty list of them."""
-    mx = require_mxnet()
+    mx = import_mxnet()
     contexts = list(ctx) if isinstance(ctx, (list, tuple)) else [ctx]
     if ctx is not None and (not contexts or not all(isinstance(c, mx.Context) for c in contexts)):
         raise TypeError(f"ctx must be an MXNet context (mx.gpu(0), mx.cpu()) or a list of them, "

@@ -16,7 +16,7 @@ from typing import Any, Callable, NamedTuple
 
 from .diagnosis import Diagnosis, LoaderSettings, diagnose
 from .records import EpochRecord, ShardRecord
-from .timeline import TRAIN_LANE, plot_timeline, write_chrome_trace
+from ._timeline import TRAIN_LANE, plot_timeline, write_chrome_trace
 
 __all__ = ["EpochRecord", "ShardRecord", "ShardTotals", "Span", "Stats"]
 
@@ -262,7 +262,7 @@ class Stats:
     # -- export ----------------------------------------------------------------------------
     def plot(self, path: str | os.PathLike | None = None, *, ax: Any = None,
              title: str | None = None) -> Any:
-        """Draw the pipeline timeline (see :func:`gluon_stream.timeline.plot_timeline`).
+        """Draw the pipeline timeline.
 
         One lane per producer (generate/load/transform) and one for the training loop (busy,
         and red while it waits for data). Needs matplotlib: ``pip install 'gluon_stream[plot]'``.
@@ -275,8 +275,8 @@ class Stats:
         return plot_timeline(self, path, ax=ax, title=title)
 
     def to_chrome_trace(self, path: str | os.PathLike) -> str:
-        """Write the spans as a Chrome/Perfetto trace; returns the path
-        (see :func:`gluon_stream.timeline.write_chrome_trace`).
+        """Write the spans as a Chrome/Perfetto trace (``chrome://tracing``, ui.perfetto.dev):
+        one lane per producer and one for the training loop; returns the path.
 
         Example:
             >>> loader.stats.to_chrome_trace("trace.json")  # doctest: +SKIP

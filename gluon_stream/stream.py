@@ -18,7 +18,6 @@ import concurrent.futures as cf
 import enum
 import itertools
 import logging
-import os
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -31,11 +30,11 @@ from ._closing import CLOSE_WAIT_S, WAIT_SLICE_S, Closing, end_thread_pool
 from ._cores import usable_cores
 from ._lifecycle import check_owner, track
 from ._random import key_hash, seeded_rng
-from ._mx import require_mxnet
-from .distributed import resolve_parts
+from ._mx import import_mxnet
+from ._distributed import resolve_parts
 from .errors import LoaderClosed, SchemaMismatch, StreamError, add_note
-from .retry import ErrorPolicy, OnError, is_permanent
-from .shardfile import names_of, normalize_arrays
+from ._retry import ErrorPolicy, OnError, is_permanent
+from ._columns import names_of, normalize_arrays
 from .sources import RawShard, Source
 from .records import ShardRecord
 from .stats import Stats
@@ -72,7 +71,7 @@ class Shard:
     @property
     def dataset(self) -> Any:
         """A ``gluon.data.ArrayDataset`` over the shard's arrays."""
-        return require_mxnet().gluon.data.ArrayDataset(*self.arrays)
+        return import_mxnet().gluon.data.ArrayDataset(*self.arrays)
 
 
 def schema_of(arrays: Sequence[Any]) -> list[tuple[str, tuple]]:
@@ -208,7 +207,7 @@ class ShardStream(Closing):
         num_parts, part_index: Train on part ``part_index`` of ``num_parts`` (one per rank):
             each epoch's shards are dealt to the parts deterministically from ``(seed, epoch)``,
             differently each epoch. ``'auto'`` reads them from ``kvstore``, Horovod or the
-            launcher's environment (see :func:`gluon_stream.distributed.resolve_parts`).
+            launcher's environment (see the multi-host guide).
         kvstore: An MXNet kvstore to read the rank from with ``'auto'``.
         shard_sizes: Samples per shard after ``transform``, for ``len()`` and ``even_batches``
             when headers cannot tell: ``{key: samples}``, ``fn(key) -> samples``, or one int for
@@ -349,7 +348,7 @@ class ShardStream(Closing):
         if self.seed_given:
             raise ValueError(f"this stream was given seed={self.seed}; it keeps it")
         self.seed = _validate.integer("seed", seed)
-        ahead, self._next_run = self._next_run, None
+        self._next_run = None
         for run in list(self._res.runs):  # shards made ahead with the old seed's order
             run.cancel()
 

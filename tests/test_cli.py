@@ -288,7 +288,7 @@ def test_demo_refuses_bad_arguments_before_any_work(extra, needles, tmp_path, ca
     def no_work(*args, **kwargs):
         raise AssertionError("the demo started working before checking its arguments")
 
-    monkeypatch.setattr(demo, "require_mxnet", no_work)
+    monkeypatch.setattr(demo, "import_mxnet", no_work)
     monkeypatch.setattr(demo, "CommandSource", no_work)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "file").write_text("not a directory")

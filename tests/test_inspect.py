@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import gluon_stream as gs
-from gluon_stream import shardfile
+from gluon_stream import _batchable
 from gluon_stream.cli import main
 
 
@@ -28,7 +28,7 @@ def test_arrays_mxnet_cannot_batch_are_flagged_with_the_loaders_reason(tmp_path,
     flagged = [line for line in out if "NOT BATCHABLE" in line]
     assert len(flagged) == 1 and flagged[0].startswith("dated")
     with pytest.raises(gs.UnbatchableShard) as info:  # the rule the loader applies
-        shardfile.check_batchable(gs.inspect_shard(tmp_path / "dated.npz"),
+        _batchable.check_batchable(gs.inspect_shard(tmp_path / "dated.npz"),
                                   what=f"shard file {str(tmp_path / 'dated.npz')!r}")
     assert flagged[0].endswith(str(info.value))
     assert "array 'label' has dtype datetime64[D]" in flagged[0] and "astype('int64')" in flagged[0]

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.mxnet  # these tests use MXNet: warm its engine first
 
 _TERMINATE_HANG = r"""
 import os, signal, mxnet as mx
-from gluon_stream._mx import dataloader as mx_dataloader
+from gluon_stream.tools.bench import dataloader as mx_dataloader
 dl = mx.gluon.data.DataLoader(mx.gluon.data.ArrayDataset(list(range(8))), batch_size=2,
                               num_workers=2)
 pool = mx_dataloader.worker_pool(dl)

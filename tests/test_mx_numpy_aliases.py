@@ -34,9 +34,9 @@ def test_mxnet_imports_on_a_numpy_that_removed_the_aliases():
             return numpy_getattr(name)
 
         numpy.__getattr__ = removed
-        from gluon_stream._mx import require_mxnet
+        from gluon_stream._mx import import_mxnet
 
-        mx = require_mxnet()
+        mx = import_mxnet()
         assert (numpy.bool, numpy.int, numpy.object, numpy.str) == (bool, int, object, str)
         assert (mx.nd.ones((2,)) + 1).asnumpy().tolist() == [2.0, 2.0]
     """)
@@ -48,8 +48,8 @@ def test_mxnet_imports_on_a_numpy_that_removed_the_aliases():
 def test_a_numpy_that_has_the_aliases_keeps_its_own():
     run(f"""
         import numpy
-        from gluon_stream._mx import require_mxnet
+        from gluon_stream._mx import import_mxnet
 
-        require_mxnet()
+        import_mxnet()
         assert not set({ALIASES!r}) & set(vars(numpy)), "aliases set on a numpy that had them"
     """)

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 import gluon_stream as gs
-from gluon_stream import shardfile
+from gluon_stream import _batchable, _columns, _files
 
 
 def npy_bytes(arr) -> bytes:
@@ -228,13 +228,13 @@ def test_write_shard_is_atomic_and_cleans_up_when_interrupted(tmp_path, monkeypa
 
 def test_normalize_arrays_refuses_what_cannot_be_batched():
     with pytest.raises(gs.UnsafeShard, match=r"Python objects"):
-        shardfile.normalize_arrays(np.array([{}, 1], dtype=object), what="shard 1")
+        _columns.normalize_arrays(np.array([{}, 1], dtype=object), what="shard 1")
     with pytest.raises(ValueError, match=r"first \(sample\) dimension"):
-        shardfile.normalize_arrays((np.ones(3), np.ones(4)), what="shard 1")
+        _columns.normalize_arrays((np.ones(3), np.ones(4)), what="shard 1")
     with pytest.raises(ValueError, match=r"scalar"):
-        shardfile.normalize_arrays(np.float32(1), what="shard 1")
+        _columns.normalize_arrays(np.float32(1), what="shard 1")
     with pytest.raises(ValueError, match=r"no arrays"):
-        shardfile.normalize_arrays((), what="shard 1")
+        _columns.normalize_arrays((), what="shard 1")
 
 
 # -- a shard's arrays share one sample axis -------------------------------------------------
@@ -372,26 +372,26 @@ def test_dtypes_mxnet_cannot_batch_are_named_with_a_fix(tmp_path, arr, fix):
     labels = np.zeros(len(arr), np.float32)
     with pytest.raises(gs.UnbatchableShard, match=rf"shard '2024-01-01': array 1 has dtype "
                                                   rf".*MXNet cannot batch.*{fix}") as info:
-        shardfile.check_batchable((labels, arr), what="shard '2024-01-01'")
+        _batchable.check_batchable((labels, arr), what="shard '2024-01-01'")
     assert info.value.array == 1 and info.value.dtype == arr.dtype and info.value.fix
     assert isinstance(info.value, gs.SchemaMismatch)
     np.savez(tmp_path / "s.npz", x=labels, label=arr)  # the same rule on a file's headers
     with pytest.raises(gs.UnbatchableShard, match=r"file 's.npz': array 'label' has dtype"):
-        shardfile.check_batchable(gs.inspect_shard(tmp_path / "s.npz"), what="file 's.npz'")
+        _batchable.check_batchable(gs.inspect_shard(tmp_path / "s.npz"), what="file 's.npz'")
     with pytest.raises(gs.UnbatchableShard, match=r"array 'label'"):
-        shardfile.check_batchable({"x": labels, "label": arr}, what="shard 1")
+        _batchable.check_batchable({"x": labels, "label": arr}, what="shard 1")
 
 
 def test_batchable_arrays_pass_and_empty_sample_axes_do_not():
-    ok = [np.zeros((4, 3), np.dtype(d).newbyteorder(order)) for d in shardfile.MXNET_DTYPES
+    ok = [np.zeros((4, 3), np.dtype(d).newbyteorder(order)) for d in _batchable.MXNET_DTYPES
           for order in "<>"]
-    shardfile.check_batchable(ok, what="shard 1")
-    shardfile.check_batchable(np.zeros((0, 3)), what="shard 1")  # an empty shard is fine
+    _batchable.check_batchable(ok, what="shard 1")
+    _batchable.check_batchable(np.zeros((0, 3)), what="shard 1")  # an empty shard is fine
     with pytest.raises(gs.UnbatchableShard, match=r"array 0 has shape \(4, 0\): MXNet 1.9 reads "
                                                   r"a 0 in a shape as unknown"):
-        shardfile.check_batchable(np.zeros((4, 0), np.float32), what="shard 1")
+        _batchable.check_batchable(np.zeros((4, 0), np.float32), what="shard 1")
     with pytest.raises(gs.UnbatchableShard, match=r"is 0-d"):
-        shardfile.check_batchable([np.float32(1)], what="shard 1")
+        _batchable.check_batchable([np.float32(1)], what="shard 1")
 
 
 @pytest.mark.mxnet
@@ -400,7 +400,7 @@ def test_mxnet_dtypes_is_the_installed_mxnets_table():
 
     table = mx.ndarray.ndarray._DTYPE_NP_TO_MX  # read here only to keep MXNET_DTYPES honest
     holds = {np.dtype(t) for t in table if t is not None and np.dtype(t).names is None}
-    assert holds == set(shardfile.MXNET_DTYPES)
+    assert holds == set(_batchable.MXNET_DTYPES)
     for dtype in ("datetime64[D]", "uint16", "complex64", "U3", "int16"):
         with pytest.raises(KeyError):  # what users saw, naming no shard
             mx.nd.empty((2,), dtype=dtype)
@@ -426,12 +426,12 @@ class FakeNDArray:
 
 def test_ndarray_like_values_are_accepted_without_warnings(recwarn):
     x, y = np.arange(6.0).reshape(3, 2), np.arange(3)
-    out = shardfile.normalize_arrays((FakeNDArray(x), FakeNDArray(y)), what="shard 1")
+    out = _columns.normalize_arrays((FakeNDArray(x), FakeNDArray(y)), what="shard 1")
     np.testing.assert_array_equal(out[0], x)
     np.testing.assert_array_equal(out[1], y)
-    (single,) = shardfile.normalize_arrays(FakeNDArray(x), what="shard 1")
+    (single,) = _columns.normalize_arrays(FakeNDArray(x), what="shard 1")
     np.testing.assert_array_equal(single, x)
-    label, data = shardfile.normalize_arrays({"softmax_label": FakeNDArray(y),
+    label, data = _columns.normalize_arrays({"softmax_label": FakeNDArray(y),
                                               "data": FakeNDArray(x)}, what="shard 1")
     assert (label.shape, data.shape) == ((3,), (3, 2))  # a dict keeps its key order
     assert [str(w.message) for w in recwarn] == []
@@ -441,7 +441,7 @@ def test_ndarray_like_values_are_accepted_without_warnings(recwarn):
 def test_real_ndarrays_are_accepted(recwarn):
     import mxnet as mx
 
-    data, label = shardfile.normalize_arrays({"data": mx.nd.ones((4, 2)), "label": mx.nd.zeros(4)},
+    data, label = _columns.normalize_arrays({"data": mx.nd.ones((4, 2)), "label": mx.nd.zeros(4)},
                                              what="shard 1")
     assert data.shape == (4, 2) and label.shape == (4,) and isinstance(data, np.ndarray)
     assert [str(w.message) for w in recwarn] == []
@@ -451,12 +451,12 @@ def test_a_list_of_same_shaped_rows_is_ambiguous():
     rows = [np.arange(4.0) + i for i in range(10)]
     with pytest.raises(gs.SchemaMismatch, match=r"a list of 10 arrays of one shape \(4,\) .* "
                                                 r"ambiguous .*tuple of columns.*np.stack\(rows\)"):
-        shardfile.normalize_arrays(rows, what="shard 1")
+        _columns.normalize_arrays(rows, what="shard 1")
     with pytest.raises(gs.SchemaMismatch, match=r"ambiguous"):
-        shardfile.normalize_arrays([[1.0, 2.0], [3.0, 4.0]], what="shard 1")
-    columns = shardfile.normalize_arrays([np.zeros((10, 4)), np.arange(10)], what="shard 1")
+        _columns.normalize_arrays([[1.0, 2.0], [3.0, 4.0]], what="shard 1")
+    columns = _columns.normalize_arrays([np.zeros((10, 4)), np.arange(10)], what="shard 1")
     assert [c.shape for c in columns] == [(10, 4), (10,)]  # unambiguous: columns
-    same = shardfile.normalize_arrays(tuple(rows[:2]), what="shard 1")
+    same = _columns.normalize_arrays(tuple(rows[:2]), what="shard 1")
     assert len(same) == 2  # a tuple is always columns
 
 
@@ -472,22 +472,22 @@ def test_a_short_write_without_errno_is_disk_full(tmp_path, monkeypatch):
         gs.write_shard(tmp_path / "s.npy", np.ones(100))
     assert info.value.disk_full
     assert os.listdir(tmp_path) == []
-    assert shardfile.is_disk_full("OSError: 8192 requested and 4096 written")
-    assert not shardfile.is_disk_full(OSError("transient"))
+    assert _files.is_disk_full("OSError: 8192 requested and 4096 written")
+    assert not _files.is_disk_full(OSError("transient"))
 
 
 # -- samples as Gluon's list datasets hold them ----------------------------------------------------
 
 def test_a_list_of_samples_becomes_columns(recwarn):
-    data, label = shardfile.normalize_arrays([([1, 2], 0), ([3, 4], 1)], what="shard 1")
+    data, label = _columns.normalize_arrays([([1, 2], 0), ([3, 4], 1)], what="shard 1")
     assert data.tolist() == [[1, 2], [3, 4]] and label.tolist() == [0, 1]
-    x, y = shardfile.normalize_arrays(((np.ones(3), 0.5), (np.zeros(3), 1.5)), what="shard 1")
+    x, y = _columns.normalize_arrays(((np.ones(3), 0.5), (np.zeros(3), 1.5)), what="shard 1")
     assert x.shape == (2, 3) and y.tolist() == [0.5, 1.5]
-    x, y = shardfile.normalize_arrays([(FakeNDArray(np.ones(2)), 0)] * 3, what="shard 1")
+    x, y = _columns.normalize_arrays([(FakeNDArray(np.ones(2)), 0)] * 3, what="shard 1")
     assert x.shape == (3, 2) and y.tolist() == [0, 0, 0]
-    pairs = shardfile.normalize_arrays([(1, 0), (2, 1), (3, 0)], what="shard 1")
+    pairs = _columns.normalize_arrays([(1, 0), (2, 1), (3, 0)], what="shard 1")
     assert [c.tolist() for c in pairs] == [[1, 2, 3], [0, 1, 0]]  # as rows, they were refused
-    columns = shardfile.normalize_arrays(((1, 2), (3, 4)), what="shard 1")
+    columns = _columns.normalize_arrays(((1, 2), (3, 4)), what="shard 1")
     assert [c.tolist() for c in columns] == [[1, 2], [3, 4]]  # a tuple is columns, as before
     assert [str(w.message) for w in recwarn] == []  # no ragged-array warning from numpy
 
@@ -496,12 +496,12 @@ def test_samples_that_also_read_as_columns_or_differ_in_shape_are_refused():
     with pytest.raises(gs.SchemaMismatch, match=r"shard 1: a list of 2 tuples of 3 values is "
                                                 r"ambiguous: 2 samples of 3 fields, or 2 columns "
                                                 r"of 3 samples\? Return columns: a tuple"):
-        shardfile.normalize_arrays([(1.0, 2.0, 3.0), (0, 1, 0)], what="shard 1")
+        _columns.normalize_arrays([(1.0, 2.0, 3.0), (0, 1, 0)], what="shard 1")
     with pytest.raises(gs.SchemaMismatch, match=r"field 0 of the 2 samples differs in shape "
                                                 r"\(\[\(1,\), \(2,\)\]\).*Return columns"):
-        shardfile.normalize_arrays([([1], 0), ([2, 3], 1)], what="shard 1")
+        _columns.normalize_arrays([([1], 0), ([2, 3], 1)], what="shard 1")
     with pytest.raises(gs.UnsafeShard, match=r"field 1 of the samples has dtype object"):
-        shardfile.normalize_arrays([([1], {}), ([2], {})], what="shard 1")
+        _columns.normalize_arrays([([1], {}), ([2], {})], what="shard 1")
 
 
 @pytest.mark.mxnet

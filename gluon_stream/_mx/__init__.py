@@ -1,6 +1,6 @@
 """The only door to MXNet: nothing else in gluon_stream imports ``mxnet`` or touches its privates.
 
-MXNet is imported on first use (:func:`require_mxnet`), not when ``gluon_stream`` is imported,
+MXNet is imported on first use (:func:`import_mxnet`), not when ``gluon_stream`` is imported,
 so the parts that need no MXNet (sources, shard files, stats, ``gluon-stream inspect``) work
 and start fast where MXNet is missing or broken. MXNet 1.9.1 needs ``numpy<1.24`` (it uses
 ``np.bool``), or on Python 3.12 numpy 1.26 with those aliases restored (see :func:`restore_numpy_aliases`) and
@@ -15,7 +15,7 @@ import warnings
 from typing import Any
 
 __all__ = ["INSTALL_HINT", "data_iter_base", "gluon_data_loader", "mxnet_available",
-           "require_mxnet", "restore_numpy_aliases"]
+           "import_mxnet", "restore_numpy_aliases"]
 
 INSTALL_HINT = ("gluon_stream needs MXNet 1.9.1 with numpy<1.24 (Python 3.12: numpy 1.26 and "
                 "setuptools): pip install 'gluon_stream[cpu]' (or 'gluon_stream[cu112]' for "
@@ -70,7 +70,7 @@ def mxnet_available() -> bool:
     return _load() is not None
 
 
-def require_mxnet() -> Any:
+def import_mxnet() -> Any:
     """Return the ``mxnet`` module or raise an ImportError that names the extra to install.
 
     Public as ``gluon_stream.import_mxnet()``: MXNet with numpy's removed aliases restored
@@ -114,7 +114,7 @@ def gluon_data_loader(cls: type) -> type:
     it that ``DataLoader.__del__`` reads (it then has no pool to end). ``cls``'s own methods
     (``__iter__``, ``__len__``, ``__bool__``) come first in the MRO.
     """
-    mx = require_mxnet()
+    mx = import_mxnet()
     with _lock:
         made = _data_loaders.get(cls)
         if made is None:

@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from . import require_mxnet
+from . import import_mxnet
 
 __all__ = ["GATHER_CHUNK_BYTES", "ZERO_COPY_DTYPES", "as_in_context", "batch_context", "concat",
            "copy_into", "gather_to_ndarray", "place", "row_chunks", "row_index", "to_ndarray",
@@ -18,7 +18,7 @@ GATHER_CHUNK_BYTES = 1 << 20
 
 def batch_context(pin_memory: bool, pin_device_id: int) -> Any:
     """The context batches are allocated in: pinned host memory speeds up copies to a GPU."""
-    mx = require_mxnet()
+    mx = import_mxnet()
     return mx.cpu_pinned(pin_device_id) if pin_memory else mx.cpu()
 
 
@@ -52,7 +52,7 @@ def to_ndarray(array: np.ndarray, ctx: Any, order: np.ndarray | None = None) -> 
     view, such as sliding windows) the rows are copied a few MB at a time straight into the
     NDArray, so no permuted or contiguous copy of the whole shard exists.
     """
-    nd = require_mxnet().nd
+    nd = import_mxnet().nd
     rows = array.shape[0] if order is None else len(order)
     out = nd.empty((rows,) + tuple(array.shape[1:]), ctx=ctx, dtype=array.dtype)
     if order is None and array.flags.c_contiguous:
@@ -67,7 +67,7 @@ def gather_to_ndarray(sources: Sequence[np.ndarray], which: np.ndarray, rows: np
                       ctx: Any) -> Any:
     """A new NDArray whose row ``i`` is ``sources[which[i]][rows[i]]`` (one copy, a few MB at
     a time: no gathered copy of the whole exists in numpy)."""
-    nd = require_mxnet().nd
+    nd = import_mxnet().nd
     first = sources[0]
     out = nd.empty((len(rows),) + tuple(first.shape[1:]), ctx=ctx, dtype=first.dtype)
     row_bytes = max(1, first.itemsize * int(np.prod(first.shape[1:], dtype=np.int64)))
@@ -95,7 +95,7 @@ def concat(parts: Sequence[Any]) -> Any:
     first = parts[0]
     if first.dtype == np.bool_:  # MXNet's concat has no bool kernel ("Unknown type enum 7")
         return concat([p.astype(np.uint8) for p in parts]).astype(np.bool_)
-    nd = require_mxnet().nd
+    nd = import_mxnet().nd
     rows = sum(int(p.shape[0]) for p in parts)
     out = nd.empty((rows,) + tuple(first.shape[1:]), ctx=first.context, dtype=first.dtype)
     return nd.concat(*parts, dim=0, out=out)
@@ -103,7 +103,7 @@ def concat(parts: Sequence[Any]) -> Any:
 
 def _each_ndarray(data: Any, fn: Callable[[Any], Any]) -> Any:
     """``data`` with ``fn`` applied to every NDArray in it (nested lists, tuples, dicts)."""
-    if isinstance(data, require_mxnet().nd.NDArray):
+    if isinstance(data, import_mxnet().nd.NDArray):
         return fn(data)
     if isinstance(data, (list, tuple)):
         return type(data)(_each_ndarray(d, fn) for d in data)
@@ -123,7 +123,7 @@ def place(data: Any, ctx: Any) -> Any:
     array. The copies are queued on MXNet's engine and run while the caller goes on."""
     if not isinstance(ctx, (list, tuple)):
         return as_in_context(data, ctx)
-    split_and_load = require_mxnet().gluon.utils.split_and_load
+    split_and_load = import_mxnet().gluon.utils.split_and_load
     return _each_ndarray(data, lambda array: split_and_load(array, list(ctx), batch_axis=0,
                                                              even_split=False))
 
@@ -142,7 +142,7 @@ def _dlpack() -> dict[str, Any]:
     """MXNet's DLPack structures and C entry points (private in MXNet 1.9.1), and the deleter
     MXNet calls when it frees an NDArray made by :func:`wrap_numpy`, made once."""
     if not _DLPACK:
-        require_mxnet()
+        import_mxnet()
         from mxnet import base
         from mxnet.ndarray import ndarray as nd_module
 
@@ -174,7 +174,7 @@ def wrap_numpy(array: np.ndarray) -> Any:
     """
     code_bits = _DLPACK_TYPES.get(array.dtype)
     if code_bits is None or not array.flags.c_contiguous or not array.size:
-        return require_mxnet().nd.array(array, dtype=array.dtype)
+        return import_mxnet().nd.array(array, dtype=array.dtype)
     dl = _dlpack()
     module = dl["module"]
     array.flags.writeable = False
@@ -195,7 +195,7 @@ def wrap_numpy(array: np.ndarray) -> Any:
     except BaseException:
         dl["decref"](id(array))
         raise
-    return require_mxnet().nd.NDArray(handle=handle)
+    return import_mxnet().nd.NDArray(handle=handle)
 
 
 def copy_into(out: np.ndarray, array: Any) -> None:

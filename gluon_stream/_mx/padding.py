@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from . import require_mxnet
+from . import import_mxnet
 from .arrays import _each_ndarray
 
 __all__ = ["pad_rows"]
@@ -15,7 +15,7 @@ __all__ = ["pad_rows"]
 def pad_rows(data: Any, batch_size: int) -> Any:
     """Every NDArray of a batch (any nesting) grown to ``batch_size`` rows: its rows, then its
     rows again from the first, as many as are missing. A full batch comes back as it is."""
-    mx = require_mxnet()
+    mx = import_mxnet()
 
     def pad(array: Any) -> Any:
         n = int(array.shape[0])

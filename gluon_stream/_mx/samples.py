@@ -31,7 +31,7 @@ import numpy as np
 
 from .. import _validate
 from ..errors import add_note
-from . import require_mxnet
+from . import import_mxnet
 from .shm import stack_batchify
 
 __all__ = ["SAMPLE_FORMATS", "BatchMaker", "Refs", "SampleFormat", "seed_mxnet_lazily",
@@ -67,7 +67,7 @@ class BatchMaker:
         _validate.choice("sample_format", sample_format, SAMPLE_FORMATS)
         self.sample_transform = sample_transform
         default = (stack_batchify if in_worker
-                   else require_mxnet().gluon.data.dataloader.default_batchify_fn)
+                   else import_mxnet().gluon.data.dataloader.default_batchify_fn)
         self.batchify_fn = batchify_fn or default
         self.sample_format = sample_format
         self.in_worker = in_worker
@@ -103,7 +103,7 @@ class BatchMaker:
 
     def _make(self, sources: Mapping[int, Sequence[np.ndarray]], refs: Refs, fmt: str,
               seed: int | None) -> Any:
-        nd = require_mxnet().nd if fmt == "ndarray" else None
+        nd = import_mxnet().nd if fmt == "ndarray" else None
         with seeded_globals(seed, in_worker=self.in_worker):
             samples = [_sample(sources[sid], i, nd) for sid, rows in refs for i in rows]
             fn = self.sample_transform
@@ -133,7 +133,7 @@ def seeded_globals(seed: int | None, in_worker: bool) -> Iterator[None]:
         if _LAZY[0]:
             _LAZY[1] = seed & 0x7FFFFFFF  # taken by the batch's first MXNet operator, if any
         else:
-            mx = require_mxnet()
+            mx = import_mxnet()
             mx.random.seed(seed & 0x7FFFFFFF, ctx=mx.cpu())
     try:
         yield
@@ -150,7 +150,7 @@ _LAZY: list = [False, None]  # [installed in this process, the seed MXNet's RNG 
 
 def _take_seed() -> None:
     seed, _LAZY[1] = _LAZY[1], None
-    mx = require_mxnet()
+    mx = import_mxnet()
     mx.random.seed(seed, ctx=mx.cpu())
 
 
@@ -176,7 +176,7 @@ def seed_mxnet_lazily() -> bool:
     """
     if _LAZY[0]:
         return True
-    require_mxnet()
+    import_mxnet()
     from mxnet import executor
     from mxnet.ndarray import _internal, register
 

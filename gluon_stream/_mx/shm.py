@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import require_mxnet
+from . import import_mxnet
 from .arrays import ZERO_COPY_DTYPES, copy_into, row_chunks, row_index, wrap_numpy
 
 __all__ = ["KEEP_FREE", "SharedArrays", "SlotTable", "SlotWriter", "Stacked", "attach",
@@ -262,7 +262,7 @@ def stack_batchify(data: Sequence[Any]) -> Any:
     :class:`Stacked` fields (NDArrays once in the loader's process), NDArray samples are
     stacked by MXNet; either way the batch travels through the worker's slots."""
     first = data[0]
-    nd = require_mxnet().nd
+    nd = import_mxnet().nd
     if isinstance(first, nd.NDArray):
         return nd.stack(*data)
     if isinstance(first, tuple):
@@ -281,7 +281,7 @@ class _Layout:
     def __init__(self) -> None:
         self.leaves: list[tuple[Any, int, np.dtype, tuple]] = []
         self.nbytes = 0
-        self._ndarray = require_mxnet().nd.NDArray
+        self._ndarray = import_mxnet().nd.NDArray
 
     def kind(self, obj: Any) -> tuple[bool, np.dtype, tuple] | None:
         """(back as an NDArray, dtype, shape) of an array that goes in the slot, else None."""

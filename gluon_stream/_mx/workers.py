@@ -67,7 +67,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .._closing import end_thread_pool
+from .._closing import CLOSE_WAIT_S, WAIT_SLICE_S, end_thread_pool
 from ..errors import BatchTimeout, LoaderClosed, WorkerDied, add_note
 from .samples import BatchMaker, Refs, seed_mxnet_lazily
 from .shm import (SharedArrays, SlotTable, SlotWriter, attach, recv_fds, remove_worker_shm,
@@ -78,9 +78,7 @@ __all__ = ["InlineWorkers", "ProcessWorkers", "ThreadWorkers", "make_workers"]
 logger = logging.getLogger(__name__)
 
 PER_WORKER = 2  # batches in flight per worker (MXNet's DataLoader keeps 2 * num_workers)
-WAIT_SLICE_S = 0.5  # how often a wait re-checks close()
 EXIT_S = 1.0  # how long workers get to exit on close() before they are killed
-CLOSE_WAIT_S = 2.0  # how long close() waits for a thread stuck in per-sample code
 
 
 def make_workers(num_workers: int, thread_pool: bool, maker_args: dict, retries: int) -> Any:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from ..errors import CorruptShard
-from ..shardfile import open_regular, remove_if_exists
+from .._files import remove_if_exists
+from ..shardfile import open_regular
 
 __all__ = ["CacheLimit", "evict_if_unread", "evict_lru", "parse_cache_limit"]
 

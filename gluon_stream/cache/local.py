@@ -54,7 +54,8 @@ from typing import Any, Callable, Iterator, Mapping
 from .. import _validate
 from .._closing import WAIT_SLICE_S
 from ..errors import CacheFull, CorruptShard, LoaderClosed, ShardError, StaleShard, UnsafeShard
-from ..shardfile import TEMP_MARKER, discard_path, inspect_shard, open_regular, remove_if_exists
+from .._files import TEMP_MARKER, discard_path, remove_if_exists
+from ..shardfile import inspect_shard, open_regular
 from .base import Create, Recipe
 from .evict import CacheLimit, evict_if_unread, evict_lru
 from .lock import LOCK_SUFFIX, exclusive, remove_if_unheld

@@ -39,7 +39,7 @@ import uuid
 from typing import Any, Iterator, Mapping
 
 from .._fsspec import downloaded, fsspec, storage_errors
-from ..shardfile import TEMP_MARKER, remove_if_exists
+from .._files import TEMP_MARKER, remove_if_exists
 from .base import Recipe
 from .local import SUFFIXES, LocalShardCache
 

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from .. import CommandSource, StreamLoader
-from .._mx import require_mxnet
+from .._mx import import_mxnet
 from ..tools.generator import generator_command, make_windows
 from ..tools.models import small_regressor
 from ._args import (UsageError, ensure_writable_dir, non_negative_float, non_negative_int,
@@ -79,7 +79,7 @@ def run_demo(args: argparse.Namespace) -> int:
                          "would be trained; raise --shards or --rows, or lower --batch-size")
     if args.cache_dir:
         ensure_writable_dir(args.cache_dir, "--cache-dir")
-    require_mxnet()
+    import_mxnet()
 
     start = datetime.date(2024, 1, 1)
     keys = [(start + datetime.timedelta(days=i)).isoformat() for i in range(args.shards)]

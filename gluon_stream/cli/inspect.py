@@ -2,7 +2,7 @@
 
 Each file is checked as the loader checks it: :func:`~gluon_stream.inspect_shard` (a regular
 file, magic, header, sizes, one sample axis) and then
-:func:`~gluon_stream.shardfile.check_batchable` (dtypes and shapes MXNet can batch), so a file
+``_batchable.check_batchable`` (dtypes and shapes MXNet can batch), so a file
 the loader would refuse is flagged here with the same reason. Arguments are read as
 ``FileSource`` reads them (:func:`~gluon_stream.sources.files.expand_paths`): a directory means
 its ``.npy``/``.npz`` files.
@@ -19,7 +19,8 @@ import os
 from typing import Any, Sequence
 
 from ..errors import StreamError, UnbatchableShard
-from ..shardfile import check_batchable, inspect_shard
+from .._batchable import check_batchable
+from ..shardfile import inspect_shard
 from ..sources.files import expand_paths
 from ._args import UsageError
 

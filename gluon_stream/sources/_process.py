@@ -16,12 +16,13 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-__all__ = ["ProgramRunner", "RunResult", "STDERR_TAIL_BYTES", "WAIT_SLICE_S"]
+from .._closing import WAIT_SLICE_S
+
+__all__ = ["ProgramRunner", "RunResult", "STDERR_TAIL_BYTES"]
 
 logger = logging.getLogger(__name__)
 
 STDERR_TAIL_BYTES = 4096
-WAIT_SLICE_S = 0.5  # how often a blocked wait re-checks close()
 
 
 @dataclass(frozen=True)

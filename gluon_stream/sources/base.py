@@ -21,7 +21,7 @@ from .._closing import Closing
 from ..cache import ShardCache, make_cache
 from ..cache.recipe import recipe_digest
 from ..errors import CorruptShard, LoaderClosed, ShardError, UnsafeKey, UnsafeShard
-from ..keys import Keys, check_keys, keys_for_epoch, validate_key
+from .._keys import Keys, check_keys, keys_for_epoch, validate_key
 from ..shardfile import load_shard
 
 __all__ = ["CachingSource", "LOAD_ATTEMPTS", "NAMESPACE_SEPARATOR", "RawShard", "Source",
@@ -33,7 +33,7 @@ T = TypeVar("T")
 
 LOAD_ATTEMPTS = 3  # a shard evicted by another process between lookup and load is made again
 #: Between a namespace and a shard's name in the cache (``recent+2024-01-08``): a character
-#: :func:`~gluon_stream.keys.validate_key` allows, and that no namespace may contain.
+#: a key may hold (a safe file-name character), and that no namespace may contain.
 NAMESPACE_SEPARATOR = "+"
 
 

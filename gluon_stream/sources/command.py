@@ -12,9 +12,10 @@ from .. import _validate
 from ..cache import SUFFIXES
 from ..cache.recipe import recipe_digest
 from ..errors import CommandNotFound, CorruptShard, ShardError, ShardTimeout, UnsafeShard
-from ..keys import Keys, validate_key
-from ..retry import RetryPolicy
-from ..shardfile import discard_path, inspect_shard, is_disk_full
+from .._keys import Keys, validate_key
+from .._retry import RetryPolicy
+from .._files import discard_path, is_disk_full
+from ..shardfile import inspect_shard
 from .base import CachingSource
 from ._process import ProgramRunner
 

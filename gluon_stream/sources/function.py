@@ -9,8 +9,9 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import ShardError, StreamError
-from ..keys import Keys
-from ..shardfile import normalize_arrays, write_shard
+from .._keys import Keys
+from .._columns import normalize_arrays
+from ..shardfile import write_shard
 from .base import CachingSource, RawShard, run_elsewhere
 
 __all__ = ["FunctionSource"]

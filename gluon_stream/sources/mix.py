@@ -43,7 +43,7 @@ import numpy as np
 from .. import _validate
 from .._random import key_hash, seeded_rng
 from ..errors import UnsafeKey, add_note
-from ..keys import validate_key
+from .._keys import validate_key
 from .base import NAMESPACE_SEPARATOR, CachingSource, RawShard, Source
 
 __all__ = ["MixSource", "cycled", "interleave", "largest_remainder"]

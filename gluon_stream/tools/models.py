@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .._mx import require_mxnet
+from .._mx import import_mxnet
 
 __all__ = ["small_regressor"]
 
@@ -12,7 +12,7 @@ def small_regressor(optimizer: str = "adam", learning_rate: float = 1e-3,
                     lstm_hidden: int | None = None) -> Callable[[Any, Any], Any]:
     """A small Gluon regressor (an MLP, or an LSTM over the windows' time steps);
     returns ``train_step(data, label) -> loss`` (one update)."""
-    mx = require_mxnet()
+    mx = import_mxnet()
     autograd, gluon = mx.autograd, mx.gluon
 
     net = gluon.nn.HybridSequential()

@@ -52,7 +52,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
-from ..._mx import require_mxnet
+from ..._mx import import_mxnet
 from .measure import make_step, measure_step
 from .memory import run_memory_scenario
 from .persample import PERSAMPLE_CONTENDERS, run_persample_scenario
@@ -101,7 +101,7 @@ class BenchConfig:
 
 def run_bench(config: BenchConfig) -> dict:
     """Run the chosen scenarios; returns every raw figure and the targets (see the module doc)."""
-    require_mxnet()
+    import_mxnet()
     base = config.workload
     results: dict[str, Any] = {"argv": dict(config.argv)}
     step_s = measure_step(base, make_step(base))

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..._mx import require_mxnet
+from ..._mx import import_mxnet
 from ..models import small_regressor
 from .workload import Workload
 
@@ -138,7 +138,7 @@ def drive(batches: Iterator[Any], step: Callable[[Any], None], probe: Probe,
 
 def make_step(workload: Workload) -> Callable[[Any], None]:
     """The simulated training step: wait for the batch, then sleep or run a small Gluon net."""
-    mx = require_mxnet()
+    mx = import_mxnet()
     if workload.step == "sleep":
         seconds = workload.step_ms / 1000.0
 
@@ -172,7 +172,7 @@ def slope(values: Sequence[float]) -> float:
     return float(np.polyfit(np.arange(len(values)), np.asarray(values, dtype=float), 1)[0])
 
 def measure_step(workload: Workload, step: Callable[[Any], None]) -> float:
-    nd = require_mxnet().nd
+    nd = import_mxnet().nd
     batch = [nd.zeros((workload.batch_size, workload.time_steps, workload.inputs)),
              nd.zeros((workload.batch_size,))]
     times = []

@@ -32,8 +32,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from ... import FunctionSource, StreamLoader
-from ..._mx import require_mxnet
-from ..._mx.dataloader import release_dataloader
+from ..._mx import import_mxnet
+from .dataloader import release_dataloader
 from .measure import Probe, batch_arrays, drive, median
 
 __all__ = ["PERSAMPLE_CONTENDERS", "run_persample_scenario"]
@@ -63,7 +63,7 @@ def make_shards(count: int, images: int, seed: int) -> list[tuple[np.ndarray, np
 
 def _in_memory(name: str, shards: list, batch_size: int, seed: int) -> Iterator[Any]:
     if name.startswith("dataloader"):
-        gluon = require_mxnet().gluon
+        gluon = import_mxnet().gluon
         data = gluon.data.ArrayDataset(np.concatenate([s[0] for s in shards]),
                                        np.concatenate([s[1] for s in shards])).transform(augment)
         workers = 0 if name == "dataloader-nw0" else 2
@@ -94,7 +94,7 @@ def _streaming(name: str, shards: list, batch_size: int, delay: float, seed: int
         return shards[key]
 
     if name == "dataloader-per-shard":
-        gluon = require_mxnet().gluon
+        gluon = import_mxnet().gluon
         for index in range(len(shards)):
             t0 = time.perf_counter()
             images, labels = make(index)

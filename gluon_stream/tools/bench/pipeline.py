@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from ... import CommandSource, ShardError, StreamLoader
-from ..._mx import data_iter_base, require_mxnet
-from ..._mx.dataloader import release_dataloader
+from ..._mx import data_iter_base, import_mxnet
+from .dataloader import release_dataloader
 from ..generator import make_windows
 from .measure import Probe, drive, make_step, median
 from .workload import Workload, ideal_time, wave_bound
@@ -105,7 +105,7 @@ class _ShardQueueIter(data_iter_base()):
 
     def __init__(self, workload: Workload, directory: str) -> None:
         super().__init__(workload.batch_size)
-        mx = require_mxnet()
+        mx = import_mxnet()
         self.workload = workload
         self.directory = directory
         self.provide_data = [mx.io.DataDesc(
@@ -135,7 +135,7 @@ class _ShardQueueIter(data_iter_base()):
         return data[perm], label[perm]
 
     def next(self) -> Any:
-        mx = require_mxnet()
+        mx = import_mxnet()
         bs = self.batch_size
         while self._data is None or self._pos + bs > len(self._data):
             if self._closed or not self._pending:
@@ -169,7 +169,7 @@ def _close_prefetching_iter(it: Any) -> None:
 
 def _prefetching_iter(workload: Workload, directory: str, probe: Probe) -> Iterator[Any]:
     """The hand-built pipeline: generator threads, a queue, ``mx.io.PrefetchingIter``."""
-    mx = require_mxnet()
+    mx = import_mxnet()
     inner = _ShardQueueIter(workload, directory)
     outer = None
     try:

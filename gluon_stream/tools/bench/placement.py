@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ... import FunctionSource, StreamLoader
-from ..._mx import require_mxnet
+from ..._mx import import_mxnet
 from .measure import batch_arrays, median
 
 __all__ = ["run_placement_scenario"]
@@ -23,7 +23,7 @@ __all__ = ["run_placement_scenario"]
 def run_placement_scenario(rounds: int, samples: int = 20000, batch_size: int = 256,
                            step_ms: float = 8.0, seed: int = 0) -> dict:
     """Milliseconds per batch the loop spends placing batches, with and without ``ctx=``."""
-    mx = require_mxnet()
+    mx = import_mxnet()
     target = mx.cpu(1)
     rng = np.random.default_rng(seed)
     data = rng.standard_normal((samples, 30, 16), dtype=np.float32)

@@ -6,8 +6,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ... import FunctionSource, StreamLoader
-from ..._mx import require_mxnet
-from ..._mx.dataloader import release_dataloader
+from ..._mx import import_mxnet
+from .dataloader import release_dataloader
 from .measure import Probe, batch_arrays, drive, median
 
 __all__ = ["THROUGHPUT_CONTENDERS", "THROUGHPUT_SHAPES", "mixing", "run_throughput_scenario"]
@@ -20,7 +20,7 @@ THROUGHPUT_SHAPES = {"30x16": (30, 16), "8": (8,)}
 
 def _throughput_batches(name: str, data: np.ndarray, label: np.ndarray, batch_size: int,
                         seed: int) -> Iterator[Any]:
-    mx = require_mxnet()
+    mx = import_mxnet()
     from mxnet import gluon
 
     if name in ("dataloader-nw0", "dataloader-nw2"):

@@ -2,10 +2,10 @@
 
 A pass wires an epoch's stages: the stream's :class:`~gluon_stream.stream.EpochRun` (shards in
 order), a feed (units: shards, or the mixed units of a shuffle window), the
-:class:`~gluon_stream.batching.BatchPlanner` (which samples form which batch), a batch path
+:class:`~gluon_stream._batching.BatchPlanner` (which samples form which batch), a batch path
 (slices, or per-sample work on workers) and, with even_batches, :class:`EvenBatches`. Each
 stage owns its position; :attr:`EpochPass.state` composes them after the last batch yielded,
-so a :class:`~gluon_stream.state.LoaderState` taken between any two batches, the last one
+so a :class:`~gluon_stream._state.LoaderState` taken between any two batches, the last one
 included, resumes exactly.
 """
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Any, Generator, Iterator, Sequence
 from ._mx import arrays as mx_arrays
 from ._mx.padding import pad_rows
 from ._random import batch_seed
-from .batching import Batch, BatchPlanner, Position, Segment, WindowMixer
+from ._batching import Batch, BatchPlanner, Position, Segment, WindowMixer
 from .errors import InvalidState, StreamError
-from .feed import Carry, Mixed, UnitFeed, WindowFeed
-from .progress import ProgressBar
-from .state import LoaderState
+from ._feed import Carry, MixedData, UnitFeed, WindowFeed
+from ._progress import ProgressBar
+from ._state import LoaderState
 from .records import EpochRecord
 from .stream import EpochRun, ShardStream
 
@@ -477,7 +477,7 @@ class EpochPass:
                                f"{seg.epoch}, which does not exist: the keys changed")
         used = {j: shards[j] for j in set(unit.shards.tolist())}
         newest = shards.get(seg.unit)
-        return self.path.mix(Mixed(unit, used, newest.key if newest else None))
+        return self.path.mix(MixedData(unit, used, newest.key if newest else None))
 
 
 def _unit_name(seg: Segment) -> str:

@@ -7,8 +7,8 @@
   are submitted ahead, across unit boundaries, so rotating to the next shard does not drain the
   workers.
 
-Both take a :class:`~gluon_stream.feed.UnitFeed` (units in order, each with its plan) and the
-:class:`~gluon_stream.feed.Carry`, and yield ``(planned batch, data)``.
+Both take a :class:`~gluon_stream._feed.UnitFeed` (units in order, each with its plan) and the
+:class:`~gluon_stream._feed.Carry`, and yield ``(planned batch, data)``.
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ import numpy as np
 
 from ._mx import arrays as mx_arrays
 from ._mx import shm as mx_shm
-from .batching import Batch, Segment, UnitPlan
-from .feed import Carry, Mixed, UnitFeed
-from .shardfile import check_batchable
+from ._batching import Batch, Segment, UnitPlan
+from ._feed import Carry, MixedData, UnitFeed
+from ._batchable import check_batchable
 
 __all__ = ["Ordered", "SamplePath", "SlicePath"]
 
@@ -84,7 +84,7 @@ class SlicePath:
         check_batchable(arrays, what=what)
         return Ordered(tuple(arrays), order)
 
-    def mix(self, mixed: Mixed) -> Mixed:
+    def mix(self, mixed: MixedData) -> MixedData:
         """Gather a mixed unit's rows from its shards into its own NDArrays (one copy)."""
         unit = mixed.unit
         if not len(unit):
@@ -102,7 +102,7 @@ class SlicePath:
         mixed.shards = {}  # copied: the unit no longer keeps its shards alive
         return mixed
 
-    def mix_later(self, mixed: Mixed) -> cf.Future:
+    def mix_later(self, mixed: MixedData) -> cf.Future:
         """:meth:`mix` in this path's mixing thread, off the loop's path (the gather of a unit
         costs about one shard's copy, as the producer's copy of a shard does)."""
         if self._mixer is None:
@@ -179,17 +179,17 @@ class SamplePath:
         """Producer-side: the shard's rows in ``order``, copied into shared memory once."""
         return mx_shm.SharedArrays.copy_of(arrays, order)
 
-    def mix(self, mixed: Mixed) -> Mixed:
+    def mix(self, mixed: MixedData) -> MixedData:
         """A mixed unit needs no copy here: its batches name each sample's shard and row."""
         return mixed
 
-    def mix_later(self, mixed: Mixed) -> cf.Future:
+    def mix_later(self, mixed: MixedData) -> cf.Future:
         done: cf.Future = cf.Future()
         done.set_result(self.mix(mixed))
         return done
 
     def cut(self, unit: Any, segment: Segment) -> tuple:
-        if isinstance(unit, Mixed):
+        if isinstance(unit, MixedData):
             parts = [_rows(unit.shards[j].arrays, rows)
                      for j, rows in unit.sources(segment.start, segment.stop)]
             return tuple(np.concatenate(fields) for fields in zip(*parts))
@@ -252,7 +252,7 @@ class SamplePath:
 
     def _hold(self, unit: Any, live: dict[int, int]) -> list[int]:
         """Attach the shards a unit reads (once each, shared by the units that read them)."""
-        shards = unit.shards.values() if isinstance(unit, Mixed) else [unit]
+        shards = unit.shards.values() if isinstance(unit, MixedData) else [unit]
         sids = []
         for shard in shards:
             sid = self._sids.get(id(shard.arrays))
@@ -272,7 +272,7 @@ class SamplePath:
         sids: list[int] = []
         if batch is plan.joined:
             refs, sids = self._carry_refs(carry)
-        if isinstance(unit, Mixed):
+        if isinstance(unit, MixedData):
             for j, rows in unit.sources(own.start, own.stop):
                 sid = self._sids[id(unit.shards[j].arrays)]
                 refs.append((sid, rows))
@@ -355,7 +355,7 @@ def _rows(arrays: tuple, rows: Any) -> tuple:
 
 
 def _name(unit: Any) -> str:
-    if isinstance(unit, Mixed):
+    if isinstance(unit, MixedData):
         return f"mixed unit {unit.index} (shards {[s.key for s in unit.shards.values()]})"
     return f"shard {unit.key!r}"
 

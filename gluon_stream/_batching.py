@@ -27,7 +27,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Iterator, Literal
 
 import numpy as np
 

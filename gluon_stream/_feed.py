@@ -1,8 +1,8 @@
 """An epoch's units, each with its batch plan: what both of the loader's batch paths read.
 
-A unit is the thing the :class:`~gluon_stream.batching.BatchPlanner` cuts into batches: a shard
+A unit is the thing the :class:`~gluon_stream._batching.BatchPlanner` cuts into batches: a shard
 (``shuffle_window=1``), or a :class:`MixedUnit` that mixes the samples of up to k consecutive
-shards (see :class:`~gluon_stream.batching.WindowMixer`). :class:`UnitFeed` and
+shards (see :class:`~gluon_stream._batching.WindowMixer`). :class:`UnitFeed` and
 :class:`WindowFeed` pull the shards from an :class:`~gluon_stream.stream.EpochRun` and hand out
 ``(unit, plan)`` in order; :attr:`UnitFeed.final` is then the epoch's short tail (or the samples
 carried before a failing shard), :attr:`UnitFeed.failure` the error to raise after it.
@@ -18,12 +18,12 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .batching import Batch, BatchPlanner, MixedUnit, Position, Segment, UnitPlan, WindowMixer
+from ._batching import Batch, BatchPlanner, MixedUnit, Position, Segment, UnitPlan, WindowMixer
 from .errors import LoaderClosed
 from .records import EpochRecord
 from .stream import EpochRun, Shard
 
-__all__ = ["Carry", "FeedState", "Mixed", "UnitFeed", "WindowFeed"]
+__all__ = ["Carry", "FeedState", "MixedData", "UnitFeed", "WindowFeed"]
 
 
 class Carry:
@@ -49,9 +49,13 @@ class Carry:
         return sum(s.size for s in self.segments)
 
 
+class _EpochEnd:
+    """What the look-ahead met instead of a shard: the run has no more."""
+
+
 @dataclass
-class Mixed:
-    """A mixed unit and the shards it reads (by their position in the epoch)."""
+class MixedData:
+    """A mixed unit's plan and the shards it reads (by their position in the epoch)."""
 
     unit: MixedUnit
     shards: dict[int, Shard]
@@ -173,7 +177,7 @@ class WindowFeed(UnitFeed):
     """Units that mix the samples of ``window`` consecutive shards (``shuffle_window > 1``).
 
     Unit ``t`` is handed out as soon as shard ``t`` is in (see
-    :class:`~gluon_stream.batching.WindowMixer`); a shard is let go of once no later unit
+    :class:`~gluon_stream._batching.WindowMixer`); a shard is let go of once no later unit
     reads it. The shards held here and those in flight stay within ``budget``
     (``max(prefetch, window) + 1``), at least one always being produced ahead. The path's
     ``mix_later`` gives a unit its data in the background: when a unit is handed out and the
@@ -190,7 +194,8 @@ class WindowFeed(UnitFeed):
         self.budget = budget  # shards held here plus shards in flight
         self._shards: dict[int, Shard] = {}
         self._units: collections.deque[tuple[MixedUnit, Future]] = collections.deque()
-        self._deferred: Any = None  # what the look-ahead met instead of a shard: _END, an error
+        # what the look-ahead met instead of a shard: the end of the epoch, or an error
+        self._deferred: _EpochEnd | Exception | None = None
 
     def ready(self) -> bool:
         return (bool(self._units) or self.state is not FeedState.READING
@@ -229,7 +234,7 @@ class WindowFeed(UnitFeed):
         deferred, self._deferred = self._deferred, None
         if deferred is None:
             return super()._take()
-        if deferred is _END:
+        if isinstance(deferred, _EpochEnd):
             return None
         raise deferred
 
@@ -248,7 +253,7 @@ class WindowFeed(UnitFeed):
             self._deferred = exc
             return
         if shard is None:
-            self._deferred = _END
+            self._deferred = _EpochEnd()
             return
         self._accept(shard)
         self._add_shard(shard)
@@ -267,7 +272,5 @@ class WindowFeed(UnitFeed):
             shards = {j: self._shards[j] for j in np.unique(unit.shards).tolist()}
             newest = self._shards.get(unit.index)
             self._units.append((unit, self.path.mix_later(
-                Mixed(unit, shards, newest.key if newest else None))))
+                MixedData(unit, shards, newest.key if newest else None))))
 
-
-_END = object()  # the look-ahead found the end of the epoch

@@ -1,0 +1,150 @@
+"""A shard's columns: what a function or transform may return, normalised to a tuple of arrays.
+
+An array, a tuple or dict of arrays, a list of columns, or Gluon-style samples ``(data, label)``
+become :class:`Columns` (a tuple that keeps the arrays' names where they have some), checked:
+one sample axis, no Python objects, nothing ambiguous.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from .errors import SchemaMismatch, UnsafeShard
+
+__all__ = ["Columns", "names_of", "normalize_arrays", "sample_axis_problem"]
+
+
+class Columns(tuple):
+    """A shard's arrays (a tuple), with their names where they have some: a dict's keys, or an
+    ``.npz`` file's members saved by name (``np.savez(f, x=..., y=...)``); None otherwise."""
+
+    names: tuple[str, ...] | None
+
+    def __new__(cls, arrays: Any, names: Any = None) -> "Columns":
+        self = super().__new__(cls, arrays)
+        self.names = tuple(str(n) for n in names) if names is not None else None
+        return self
+
+
+def names_of(arrays: Any) -> tuple[str, ...] | None:
+    """The names a tuple of arrays carries (see :class:`Columns`), or None."""
+    return getattr(arrays, "names", None)
+
+
+def normalize_arrays(value: Any, *, what: str) -> tuple[np.ndarray, ...]:
+    """Turn what a function or transform returned into a checked tuple of arrays (the columns).
+
+    Accepted: an array; a tuple of arrays; a dict of arrays (in its key order); a list of
+    arrays that differ in shape or dtype (columns); a list or tuple of samples, each a tuple
+    ``(data, label, ...)`` as Gluon's list datasets hold them (``[([1, 2], 0), ([3, 4], 1)]``),
+    whose fields become the columns; MXNet NDArrays anywhere an array may be (anything with
+    ``asnumpy()``; MXNet is never imported here). Refused as ambiguous: a list of two or more
+    arrays of one shape and dtype (rows or columns?), and a list of tuples that also reads as
+    columns. A tuple that reads as columns is columns. All arrays must share their first
+    dimension (the samples) and hold no Python objects. ``what`` names the shard.
+
+    Example:
+        >>> [c.tolist() for c in normalize_arrays([([1, 2], 0), ([3, 4], 1)], what="shard 0")]
+        [[[1, 2], [3, 4]], [0, 1]]
+    """
+    if isinstance(value, (tuple, list)) and _samples_of_fields(value):
+        if _columns_problem(value, what) is not None:
+            return _columns_of_samples(value, what)
+        if isinstance(value, list):
+            raise SchemaMismatch(
+                f"{what}: a list of {len(value)} tuples of {len(value[0])} values is ambiguous: "
+                f"{len(value)} samples of {len(value[0])} fields, or {len(value)} columns of "
+                f"{len(value[0])} samples? Return columns: a tuple of arrays with the samples "
+                "along the first axis, e.g. (np.stack(data), np.array(labels))")
+    return _columns(value, what)
+
+
+def _samples_of_fields(value: Sequence[Any]) -> bool:
+    """Whether ``value`` could be samples: tuples of one length (a Gluon list dataset)."""
+    return bool(value) and all(isinstance(v, tuple) for v in value) \
+        and len(value[0]) > 0 and all(len(v) == len(value[0]) for v in value)
+
+
+def _columns_problem(value: Sequence[Any], what: str) -> str | None:
+    """Why ``value`` cannot be read as columns (None: it can). A column whose items differ in
+    shape is ragged; it is never handed to numpy, which would warn or make an object array."""
+    for i, item in enumerate(value):
+        if len({np.shape(field) for field in item}) > 1:
+            return f"item {i} is ragged"
+    try:
+        _columns(value, what)
+    except (SchemaMismatch, UnsafeShard) as exc:
+        return str(exc)
+    return None
+
+
+def _columns_of_samples(samples: Sequence[tuple], what: str) -> tuple[np.ndarray, ...]:
+    """The columns of samples ``(data, label, ...)``: field j of every sample, stacked."""
+    columns = []
+    for j in range(len(samples[0])):
+        fields = [_as_numpy(sample[j]) for sample in samples]
+        shapes = {f.shape for f in fields}
+        if len(shapes) > 1:
+            raise SchemaMismatch(
+                f"{what}: field {j} of the {len(samples)} samples differs in shape "
+                f"({sorted(shapes)}); every sample needs one shape per field. Return columns: "
+                "a tuple of arrays with the samples along the first axis")
+        column = np.stack(fields)
+        if column.dtype.hasobject:
+            raise UnsafeShard(f"{what}: field {j} of the samples has dtype {column.dtype} "
+                              "(Python objects); only numeric arrays can be batched")
+        columns.append(column)
+    return Columns(columns)
+
+
+def _columns(value: Any, what: str) -> tuple[np.ndarray, ...]:
+    """``value`` read as columns (see :func:`normalize_arrays`), checked."""
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, (tuple, list)):
+        items = list(enumerate(value))
+    else:
+        items = [(0, value)]
+    if not items:
+        raise SchemaMismatch(f"{what}: no arrays (expected an array, a tuple of arrays or a dict)")
+    out = []
+    for name, item in items:
+        arr = _as_numpy(item)
+        if arr.dtype.hasobject:
+            raise UnsafeShard(f"{what}: array {name!r} has dtype {arr.dtype} (Python objects); "
+                              "only numeric arrays can be batched")
+        out.append(arr)
+    if isinstance(value, list) and len(out) > 1 and len({(a.shape, a.dtype) for a in out}) == 1:
+        raise SchemaMismatch(
+            f"{what}: a list of {len(out)} arrays of one shape {out[0].shape} and dtype "
+            f"{out[0].dtype} is ambiguous (rows or columns?); return a tuple of columns, e.g. "
+            f"(x, y), or np.stack(rows) for one array of {len(out)} samples")
+    problem = sample_axis_problem((name, a.shape) for (name, _), a in zip(items, out))
+    if problem:
+        raise SchemaMismatch(f"{what}: {problem}")
+    return Columns(out, [name for name, _ in items] if isinstance(value, Mapping)
+                   else names_of(value))
+
+
+def _as_numpy(item: Any) -> np.ndarray:
+    """An array as numpy: NDArrays (duck-typed by ``asnumpy``) copied out, others as-is."""
+    if isinstance(item, np.ndarray):
+        return item
+    if callable(getattr(item, "asnumpy", None)):
+        return np.asarray(item.asnumpy())
+    return np.asarray(item)
+
+
+def sample_axis_problem(shapes: Iterable[tuple[Any, tuple]]) -> str | None:
+    """Why ``(name, shape)`` pairs cannot form one shard (no sample axis, lengths differ), or None."""
+    shapes = list(shapes)
+    for name, shape in shapes:
+        if len(shape) == 0:
+            return (f"array {name!r} is 0-d (a scalar): it has no sample axis; store samples "
+                    "along the first axis, e.g. np.atleast_1d(x)")
+    if len({shape[0] for _, shape in shapes}) > 1:
+        listed = ", ".join(f"{name!r}: {shape[0]}" for name, shape in shapes)
+        return (f"arrays differ in their first (sample) dimension ({listed}; shapes "
+                f"{[tuple(s) for _, s in shapes]})")
+    return None

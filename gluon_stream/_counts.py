@@ -1,0 +1,80 @@
+"""How many batches a pass yields: ``len(loader)``, the progress bar's total and even_batches'
+limit, from the declared or known shard sizes (never by producing shards)."""
+from __future__ import annotations
+
+from ._batching import LastBatch
+from .errors import SizeUnknown
+from .stream import ShardStream
+
+__all__ = ["BatchCounts"]
+
+
+class BatchCounts:
+    """Batch counts of one loader's epochs (its stream, batch size and batch rules)."""
+
+    def __init__(self, stream: ShardStream, batch_size: int, last_batch: LastBatch,
+                 even_batches: bool | str, samples_per_epoch: int | None) -> None:
+        self.stream = stream
+        self.batch_size = batch_size
+        self.last_batch = last_batch
+        self.even_batches = even_batches
+        self.samples_per_epoch = samples_per_epoch
+
+    def batches(self, epoch: int, carried: int = 0) -> int | None:
+        """Batches epoch ``epoch`` yields from its start (``carried``: samples rolled over);
+        None where the sizes are not known."""
+        bs = self.batch_size
+        if self.samples_per_epoch is not None:  # rolled over: what the epochs before left
+            n = self.samples_per_epoch
+            full, rest = divmod(n + (epoch * n % bs if self.last_batch == "rollover" else 0), bs)
+            keeps = self.even_batches == "pad" or (self.last_batch == "keep"
+                                                   and not self.even_batches)
+            return full + (1 if rest and keeps else 0)
+        if self.even_batches:
+            limit = self.even_limit(epoch)
+            if limit is not None or self.even_batches == "pad":
+                return limit
+        total = self.stream.epoch_size(epoch)
+        if total is None:
+            return None
+        full, rest = divmod(total + carried, bs)
+        return full + (1 if rest and self.last_batch == "keep" and not self.even_batches else 0)
+
+    def even_limit(self, epoch: int) -> int | None:
+        """With even_batches, the batch count every part yields in ``epoch``: the smallest
+        part's full batches, by the declared or known sizes. None where the parts hold equal
+        counts by construction (``deal='samples'``, or one part): every full batch.
+
+        With ``'pad'``: the largest part's batches, the last one short; None where that is
+        only known once the epoch's shards are seen (``deal='strides'``, or one part)."""
+        stream = self.stream
+        if self.samples_per_epoch is not None:  # every part reads as many samples
+            return None
+        if self.even_batches == "pad":
+            sizes = stream.part_sizes(epoch)
+            return None if sizes is None else -(-max(sizes) // self.batch_size)
+        if not self.even_batches or stream.deal == "samples" or stream.num_parts == 1:
+            return None
+        sizes = stream.part_sizes(epoch)
+        if sizes is None:
+            raise SizeUnknown(
+                f"even_batches=True needs every shard's size for epoch {epoch} on every rank: "
+                f"{self.unknown_reason(epoch)}")
+        return min(sizes) // self.batch_size
+
+    def unknown_reason(self, epoch: int) -> str:
+        """Why an epoch's samples cannot be counted without producing it, and the fix."""
+        stream = self.stream
+        _, finite, keys = stream.epoch_keys(epoch)
+        if not finite or keys is None:
+            return ("the keys are an endless iterator, so the epoch has no known end (iterate "
+                    "with a fixed number of steps instead)")
+        unknown = [k for k in keys if stream.shard_size(k, epoch) is None]
+        why = [stream.source.unknown_size_reason()]
+        if stream.transform is not None:
+            why.insert(0, "a transform may change the sample counts of the files")
+        return (f"the sizes of {len(unknown)} of {len(keys)} shards (e.g. {unknown[0]!r}) are not "
+                f"known without producing them ({'; '.join(why)}). "
+                "Pass shard_sizes= (a dict, fn(key), or one int for every shard), fill the cache "
+                "ahead with gluon-stream generate, or read existing files with FileSource; sizes "
+                "of shards seen in an earlier pass are reused when the data cannot change")
