@@ -17,7 +17,7 @@ import concurrent.futures as cf
 import itertools
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 import numpy as np
 
@@ -26,21 +26,23 @@ from ._mx import shm as mx_shm
 from ._batching import Batch, Segment, UnitPlan
 from ._feed import Carry, MixedData, UnitFeed
 from ._batchable import check_batchable
+from ._columns import ShapedArrays
+from ._contracts import Workers
+from .stream import Prepare
 
 __all__ = ["Ordered", "SamplePath", "SlicePath"]
 
 
-class Ordered(tuple):
-    """A shard's arrays as they were made, and the order to read their rows in (no copy yet).
+class Ordered(ShapedArrays):
+    """A shard's arrays as they were made, and the order to read their rows in (no copy yet):
+    :attr:`raw` and :attr:`order` are what a mixed unit gathers from."""
 
-    The items are placeholders with the read shape and the dtypes (for ``len()`` and schema
-    checks); :attr:`raw` and :attr:`order` are what a mixed unit gathers from.
-    """
+    raw: tuple
+    order: np.ndarray | None
 
     def __new__(cls, raw: tuple, order: np.ndarray | None) -> "Ordered":
         n = len(order) if order is not None else len(raw[0])
-        self = super().__new__(cls, [np.broadcast_to(np.zeros((), a.dtype), (n,) + a.shape[1:])
-                                     for a in raw])
+        self = super().__new__(cls, [(a.dtype, (n,) + a.shape[1:]) for a in raw])
         self.raw, self.order = raw, order
         return self
 
@@ -63,9 +65,10 @@ class SlicePath:
 
     def __init__(self, ctx: Any, mixed: bool = False) -> None:
         self.ctx = ctx
-        self._left, self._feed = 0, None
+        self._left = 0
+        self._feed: UnitFeed | None = None
         # bound methods: the stream compares prepare by identity
-        self.prepare = self._ordered if mixed else self._to_ndarrays
+        self.prepare: Prepare | None = self._ordered if mixed else self._to_ndarrays
         self._mixer: cf.ThreadPoolExecutor | None = None
         # one shard copied at a time: while a shard is copied its source and its NDArray both
         # exist, and producers copying at once held one such pair each (memory over its bound)
@@ -91,7 +94,7 @@ class SlicePath:
             return mixed
         shards = list(mixed.shards)
         which = np.searchsorted(np.asarray(shards), unit.shards)
-        raws = [mixed.shards[j].arrays for j in shards]
+        raws = [cast(Ordered, mixed.shards[j].arrays) for j in shards]
         rows = np.empty(len(unit), dtype=np.int64)
         for s, ordered in enumerate(raws):  # read rows to the rows the shard was made with
             m = which == s
@@ -162,11 +165,11 @@ class SamplePath:
         pin_ctx: Copy batches to this context (``cpu_pinned``), or None.
     """
 
-    def __init__(self, workers: Any, timeout: float, pin_ctx: Any = None) -> None:
+    def __init__(self, workers: Workers, timeout: float, pin_ctx: Any = None) -> None:
         self.workers = workers
         self.timeout = timeout
         self.pin = pin_ctx
-        self.prepare = self._to_shared if workers.uses_shared_memory else None
+        self.prepare: Prepare | None = self._to_shared if workers.uses_shared_memory else None
         self._ids = itertools.count()
         self._window: collections.deque = collections.deque()
         self._sids: dict[int, int] = {}  # id(shard arrays) -> source id, while attached

@@ -6,13 +6,15 @@ one sample axis, no Python objects, nothing ambiguous.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
 from .errors import SchemaMismatch, UnsafeShard
 
-__all__ = ["Columns", "names_of", "normalize_arrays", "sample_axis_problem"]
+_S = TypeVar("_S", bound="ShapedArrays")
+
+__all__ = ["Columns", "ShapedArrays", "names_of", "normalize_arrays", "sample_axis_problem"]
 
 
 class Columns(tuple):
@@ -148,3 +150,16 @@ def sample_axis_problem(shapes: Iterable[tuple[Any, tuple]]) -> str | None:
         return (f"arrays differ in their first (sample) dimension ({listed}; shapes "
                 f"{[tuple(s) for _, s in shapes]})")
     return None
+
+
+class ShapedArrays(tuple):
+    """A shard's arrays known by shape and dtype only, their data elsewhere: in a memory file
+    the workers map (``SharedArrays``), or in the arrays as made, read in a shuffled order
+    later (``Ordered``). The items are zero-strided placeholders of the arrays' shapes and
+    dtypes, so ``len()``, schema checks and sizes work as on real arrays; reading data goes
+    through the subclass."""
+
+    def __new__(cls: type[_S], specs: Iterable[tuple[Any, tuple]]) -> _S:
+        """``specs``: ``(dtype, shape)`` of each array."""
+        return super().__new__(cls, [np.broadcast_to(np.zeros((), np.dtype(d)), tuple(shape))
+                                     for d, shape in specs])

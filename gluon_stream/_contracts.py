@@ -14,17 +14,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 if TYPE_CHECKING:
     import concurrent.futures as cf
 
-    import numpy as np
-
     from ._batching import Batch, Segment
     from ._feed import Carry, MixedData, UnitFeed
+    from .stream import Prepare
 
-__all__ = ["BatchPath", "Prepare", "Workers"]
-
-#: ``prepare(arrays, order, what) -> arrays``: in the producer thread, after the transform, the
-#: shard's arrays in ``order`` (a permutation or a subset of the rows, or None) in the form the
-#: path wants (NDArrays, shared memory, ...); ``what`` names the shard for error messages.
-Prepare = Callable[[tuple, "np.ndarray | None", str], tuple]
+__all__ = ["BatchPath", "Workers"]
 
 
 class Workers(Protocol):
@@ -72,7 +66,7 @@ class BatchPath(Protocol):
         wait_s: Seconds the loop waited for batches to be made, in total.
     """
 
-    prepare: Prepare | None
+    prepare: "Prepare | None"
     wait_s: float
 
     def batches(self, feed: UnitFeed, carry: Carry, first: int = 0,

@@ -19,6 +19,7 @@ from ._mx import arrays as mx_arrays
 from ._mx.padding import pad_rows
 from ._random import batch_seed
 from ._batching import Batch, BatchPlanner, Position, Segment, WindowMixer
+from ._contracts import BatchPath
 from .errors import InvalidState, StreamError
 from ._feed import Carry, MixedData, UnitFeed, WindowFeed
 from ._progress import ProgressBar
@@ -140,7 +141,7 @@ class EpochPass:
     (``start`` before the first); :attr:`finished` is true once it ran to its end.
     """
 
-    def __init__(self, stream: ShardStream, path: Any, settings: PassSettings,
+    def __init__(self, stream: ShardStream, path: BatchPath, settings: PassSettings,
                  start: LoaderState, limit: int | None, expected: int | None = None,
                  carry: Carry | None = None, handover: EpochRun | None = None) -> None:
         self.stream, self.path, self.settings = stream, path, settings

@@ -20,7 +20,7 @@ def make_tqdm(**kwargs: Any) -> Any:
     """A ``tqdm.auto`` bar without tqdm's monitor thread (which outlives the bar by seconds)."""
     from tqdm.auto import tqdm
 
-    class _Tqdm(tqdm):  # type: ignore[misc, valid-type]
+    class _Tqdm(tqdm):
         monitor_interval = 0
 
     return _Tqdm(**kwargs)

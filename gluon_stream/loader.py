@@ -24,6 +24,7 @@ from typing import Any, Callable, Generator, Mapping, Sequence
 
 from . import _validate
 from ._closing import Closing
+from ._contracts import BatchPath, Workers
 from ._lifecycle import check_owner, track
 from ._mx import arrays as mx_arrays
 from ._mx import gluon_data_loader, import_mxnet
@@ -379,7 +380,7 @@ def _stream_of(source: Source | ShardStream, given: dict[str, Any], even_batches
     return ShardStream(source, **given), True
 
 
-def _batch_path(loader: StreamLoader, retries: int) -> Any:
+def _batch_path(loader: StreamLoader, retries: int) -> BatchPath:
     """The slice path (vectorised), or the sample path on the workers ``num_workers`` asks."""
     if loader.vectorised:
         home = loader.ctx if loader.shards_on_ctx else mx_arrays.batch_context(
@@ -388,7 +389,7 @@ def _batch_path(loader: StreamLoader, retries: int) -> Any:
             logger.info("num_workers=%d unused: without batchify_fn/sample_transform, batches "
                         "are slices of a shard prepared in the background", loader.num_workers)
         return SlicePath(home, mixed=loader.shuffle_window > 1)
-    workers = mx_workers.make_workers(
+    workers: Workers = mx_workers.make_workers(
         loader.num_workers, bool(loader.thread_pool),
         {"sample_transform": loader.sample_transform, "batchify_fn": loader.batchify_fn,
          "sample_format": loader.sample_format}, retries)

@@ -35,6 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .._columns import ShapedArrays
 from . import import_mxnet
 from .arrays import ZERO_COPY_DTYPES, copy_into, row_chunks, row_index, wrap_numpy
 
@@ -70,21 +71,20 @@ class _MemoryFile:
         self.close = weakref.finalize(self, _close_fd, fd)
 
 
-class SharedArrays(tuple):
+class SharedArrays(ShapedArrays):
     """Arrays that live in one anonymous shared-memory file, which this process does not map.
 
-    The items are placeholders with the arrays' shapes and dtypes (for ``len()`` and schema
-    checks; they hold no data); :meth:`take` reads real rows, and a worker maps the file with
-    :func:`attach`. Keeping no mapping costs this process one file descriptor per shard and
-    nothing else (a Python ``mmap`` holds a duplicate descriptor while it lives). The
-    descriptor is closed when the object is garbage collected, or by :meth:`close`.
+    :meth:`take` reads rows, and a worker maps the file with :func:`attach`. Keeping no mapping
+    costs this process one file descriptor per shard and nothing else (a Python ``mmap`` holds a
+    duplicate descriptor while it lives). The descriptor is closed when the object is garbage
+    collected, or by :meth:`close`.
     """
 
     layout: tuple
+    _file: _MemoryFile
 
     def __new__(cls, layout: tuple, fd: int) -> "SharedArrays":
-        shadows = [np.broadcast_to(np.zeros((), np.dtype(d)), shape) for d, shape, _ in layout]
-        self = super().__new__(cls, shadows)
+        self = super().__new__(cls, [(d, shape) for d, shape, _ in layout])
         self.layout, self._file = layout, _MemoryFile(fd)
         return self
 

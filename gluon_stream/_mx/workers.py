@@ -81,7 +81,8 @@ PER_WORKER = 2  # batches in flight per worker (MXNet's DataLoader keeps 2 * num
 EXIT_S = 1.0  # how long workers get to exit on close() before they are killed
 
 
-def make_workers(num_workers: int, thread_pool: bool, maker_args: dict, retries: int) -> Any:
+def make_workers(num_workers: int, thread_pool: bool, maker_args: dict, retries: int
+                 ) -> "InlineWorkers | ThreadWorkers | ProcessWorkers":
     """The workers a loader's per-sample path runs on (see the module doc)."""
     if num_workers == 0:
         return InlineWorkers(BatchMaker(**maker_args))

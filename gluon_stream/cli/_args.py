@@ -8,7 +8,7 @@ import os
 import re
 import sys
 import tempfile
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, Callable, NoReturn
 
 __all__ = ["HelpFormatter", "Parser", "UsageError", "csv_list", "ensure_writable_dir",
            "non_negative_float", "non_negative_int", "output_path", "plain_text", "positive_int"]
@@ -58,8 +58,8 @@ class Parser(argparse.ArgumentParser):
             self.description, self._describe = self._describe(), None
         return super().format_help()
 
-    def parse_known_args(self, args: Sequence[str] | None = None,
-                         namespace: argparse.Namespace | None = None) -> Any:
+    def parse_known_args(self, args: Any = None,
+                         namespace: Any = None) -> Any:
         self._argv = list(sys.argv[1:] if args is None else args)
         return super().parse_known_args(args, namespace)
 

@@ -157,8 +157,8 @@ def run_generate(args: argparse.Namespace) -> int:
     done = len(keys) - len(failed)
     print(f"{done}/{len(keys)} shards in {os.path.abspath(args.cache_dir)} "
           f"({done - hits} generated, {hits} already cached, {len(failed)} failed)")
-    for key, exc in failed:
-        print(_failure(key, exc), file=sys.stderr)
+    for key, error in failed:
+        print(_failure(key, error), file=sys.stderr)
     return 1 if failed else 0
 
 

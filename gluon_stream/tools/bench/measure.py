@@ -121,7 +121,9 @@ def drive(batches: Iterator[Any], step: Callable[[Any], None], probe: Probe,
             samples += int(batch_arrays(batch)[0].shape[0])
             del batch
     finally:
-        batches.close()
+        close = getattr(batches, "close", None)  # a generator's: its loader ends now
+        if close is not None:
+            close()
         peak = sampler.close()
     wall = clock() - start
     first = wall if first is None else first
@@ -161,8 +163,8 @@ def make_step(workload: Workload) -> Callable[[Any], None]:
 
 def median(values: Sequence[float | None]) -> float | None:
     """The median of the values that are not None (None if there are none)."""
-    values = [v for v in values if v is not None]
-    return float(statistics.median(values)) if values else None
+    known = [v for v in values if v is not None]
+    return float(statistics.median(known)) if known else None
 
 
 def slope(values: Sequence[float]) -> float:

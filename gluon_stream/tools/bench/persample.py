@@ -75,11 +75,17 @@ def _in_memory(name: str, shards: list, batch_size: int, seed: int) -> Iterator[
             release_dataloader(loader)
         return
     workers = int(name.split("-nw")[1].split("-")[0])
-    options = {"num_workers": workers, "thread_pool": name.endswith("threads")}
     with StreamLoader(FunctionSource(range(len(shards)), lambda k: shards[k]),
                       batch_size=batch_size, shuffle=True, seed=seed, sample_transform=augment,
-                      **options) as loader:
+                      num_workers=workers, thread_pool=name.endswith("threads")) as loader:
         yield from loader
+
+
+def _known(value: float | None) -> float:
+    """A median of measured rounds (None only when nothing was measured: a bug here)."""
+    if value is None:
+        raise RuntimeError("no round was measured")
+    return value
 
 
 def _no_step(batch: Any) -> None:
@@ -174,7 +180,7 @@ def run_persample_scenario(rounds: int, shards: int = 6, images: int = 1500,
                                                       zip(cpu[c], single_cpu)])
                                               if _in_processes(c) else None),
                      "rounds": r} for c, r in rates.items()}
-    gs_rate = median(rates.get("gluon_stream-nw2", base))
+    gs_rate = _known(median(rates.get("gluon_stream-nw2", base)))
     delay = images / gs_rate  # generating a shard costs about as much as augmenting it
     walls: dict[str, list[float]] = {"dataloader-per-shard": [], "gluon_stream": []}
     ideals: list[float] = []

@@ -100,7 +100,7 @@ def _dataloader_per_shard(workload: Workload, directory: str, probe: Probe) -> I
             del loader
 
 
-class _ShardQueueIter(data_iter_base()):
+class _ShardQueueIter(data_iter_base()):  # type: ignore[misc]
     """A hand-built ``mx.io.DataIter``: generator threads fill a bounded queue of shards."""
 
     def __init__(self, workload: Workload, directory: str) -> None:
@@ -296,7 +296,7 @@ def run_pipeline_scenario(name: str, workload: Workload, rounds: int,
     dl = runs.get("dataloader-per-shard")
     for contender in chosen:
         records = runs[contender]
-        summary = {key: median([r[key] for r in records])
+        summary: dict[str, Any] = {key: median([r[key] for r in records])
                    for key in ("wall_s", "first_batch_s", "stall_s", "stall_pct", "rotation_ms",
                                "peak_rss_mb", "batches", "step_s")}
         summary["x_ideal"] = median([r["wall_s"] / i for r, i in zip(records, ideals)])
