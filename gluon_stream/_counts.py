@@ -34,7 +34,7 @@ class BatchCounts:
             limit = self.even_limit(epoch)
             if limit is not None or self.even_batches == "pad":
                 return limit
-        total = self.stream.epoch_size(epoch)
+        total = self.stream.sizes.epoch_size(epoch)
         if total is None:
             return None
         full, rest = divmod(total + carried, bs)
@@ -51,11 +51,11 @@ class BatchCounts:
         if self.samples_per_epoch is not None:  # every part reads as many samples
             return None
         if self.even_batches == "pad":
-            sizes = stream.part_sizes(epoch)
+            sizes = stream.sizes.part_sizes(epoch)
             return None if sizes is None else -(-max(sizes) // self.batch_size)
         if not self.even_batches or stream.deal == "samples" or stream.num_parts == 1:
             return None
-        sizes = stream.part_sizes(epoch)
+        sizes = stream.sizes.part_sizes(epoch)
         if sizes is None:
             raise SizeUnknown(
                 f"even_batches=True needs every shard's size for epoch {epoch} on every rank: "
@@ -69,7 +69,7 @@ class BatchCounts:
         if not finite or keys is None:
             return ("the keys are an endless iterator, so the epoch has no known end (iterate "
                     "with a fixed number of steps instead)")
-        unknown = [k for k in keys if stream.shard_size(k, epoch) is None]
+        unknown = [k for k in keys if stream.sizes.shard_size(k, epoch) is None]
         why = [stream.source.unknown_size_reason()]
         if stream.transform is not None:
             why.insert(0, "a transform may change the sample counts of the files")

@@ -395,7 +395,7 @@ class EpochPass:
         """even_batches='pad': the largest part's samples in the shards before position
         ``before`` (those a resume does not produce again)."""
         lead = self.even.lead if self.even is not None else 0
-        share = self.stream.part_share
+        share = self.stream.sizes.part_share
         return lead + sum(share(n, 0) for j, n in self._full_sizes.items() if j < before)
 
     def _repeat(self, even: EvenBatches, delivered: int, count: int, run: EpochRun,

@@ -7,11 +7,12 @@ Keys are given as a sequence (finite: every epoch has the same keys), an endless
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Iterable, Sequence, Union
+import threading
+from typing import Any, Callable, Iterable, Iterator, Sequence, Union
 
-from .errors import UnsafeKey
+from .errors import StreamError, UnsafeKey
 
-__all__ = ["Keys", "MAX_KEY_LENGTH", "check_keys", "keys_for_epoch", "validate_key"]
+__all__ = ["KeyTape", "Keys", "MAX_KEY_LENGTH", "check_keys", "keys_for_epoch", "validate_key"]
 
 Keys = Union[Sequence[Any], Iterable[Any], Callable[[int], Iterable[Any]]]
 
@@ -54,3 +55,42 @@ def keys_for_epoch(keys: Keys, epoch: int) -> tuple[Iterable[Any], bool]:
     if iter(chosen) is chosen:
         return chosen, False
     return list(chosen), True
+
+
+_GONE = object()  # the iterator has no more keys
+
+
+class KeyTape:
+    """The keys an endless iterator gave, kept from position ``base`` on, so that a pass can
+    start again at any kept position (``samples_per_epoch`` starts each epoch where the last
+    one stopped) without drawing them again: an iterator gives each key once."""
+
+    def __init__(self, keys: Iterable[Any]) -> None:
+        self._source = iter(keys)
+        self._keys: list[Any] = []
+        self.base = 0
+        self._lock = threading.Lock()
+
+    def read(self, start: int) -> Iterator[Any]:
+        """The keys from position ``start`` on (the kept ones, then new ones, kept too)."""
+        index = start
+        while True:
+            with self._lock:
+                if index < self.base:
+                    raise StreamError(f"the keys before position {self.base} of the iterator "
+                                      f"were let go; a pass cannot start at {index}")
+                if index - self.base < len(self._keys):
+                    key = self._keys[index - self.base]
+                else:
+                    key = next(self._source, _GONE)
+                    if key is _GONE:
+                        return
+                    self._keys.append(key)
+            yield key
+            index += 1
+
+    def forget(self, before: int) -> None:
+        with self._lock:
+            drop = max(0, min(before - self.base, len(self._keys)))
+            del self._keys[:drop]
+            self.base += drop

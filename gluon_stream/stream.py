@@ -21,21 +21,24 @@ import logging
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from . import _validate
-from ._closing import CLOSE_WAIT_S, WAIT_SLICE_S, Closing, end_thread_pool
+from ._closing import WAIT_SLICE_S, Closing
 from ._cores import usable_cores
 from ._lifecycle import check_owner, track
 from ._random import key_hash, seeded_rng
 from ._mx import import_mxnet
 from ._distributed import resolve_parts
-from .errors import LoaderClosed, SchemaMismatch, StreamError, add_note
+from .errors import LoaderClosed, SchemaMismatch, add_note
 from ._retry import ErrorPolicy, OnError, is_permanent
 from ._columns import names_of, normalize_arrays
 from .sources import RawShard, Source
+from ._sizes import ShardSizes
+from ._keys import KeyTape
+from ._producers import ProducerPool, Throttle
 from .records import ShardRecord
 from .stats import Stats
 
@@ -77,106 +80,6 @@ class Shard:
 def schema_of(arrays: Sequence[Any]) -> list[tuple[str, tuple]]:
     """(dtype, trailing shape) of each array: what must agree between shards to batch them."""
     return [(np.dtype(a.dtype).str, tuple(a.shape[1:])) for a in arrays]
-
-
-class _KeyTape:
-    """The keys an endless iterator gave, kept from position ``base`` on, so that a pass can
-    start again at any kept position (``samples_per_epoch`` starts each epoch where the last
-    one stopped) without drawing them again: an iterator gives each key once."""
-
-    def __init__(self, keys: Iterable[Any]) -> None:
-        self._source = iter(keys)
-        self._keys: list[Any] = []
-        self.base = 0
-        self._lock = threading.Lock()
-
-    def read(self, start: int) -> Iterator[Any]:
-        """The keys from position ``start`` on (the kept ones, then new ones, kept too)."""
-        index = start
-        while True:
-            with self._lock:
-                if index < self.base:
-                    raise StreamError(f"the keys before position {self.base} of the iterator "
-                                      f"were let go; a pass cannot start at {index}")
-                if index - self.base < len(self._keys):
-                    key = self._keys[index - self.base]
-                else:
-                    key = next(self._source, _END)
-                    if key is _END:
-                        return
-                    self._keys.append(key)
-            yield key
-            index += 1
-
-    def forget(self, before: int) -> None:
-        with self._lock:
-            drop = max(0, min(before - self.base, len(self._keys)))
-            del self._keys[:drop]
-            self.base += drop
-
-
-class _Throttle:
-    """How many producers may work at once: fixed, or growing (``producers='auto'``).
-
-    Producer threads exist up to ``bound``; a shard's production waits here until fewer than
-    ``active`` are running. :meth:`grow` admits one more.
-    """
-
-    def __init__(self, active: int, bound: int) -> None:
-        self.active, self.bound = active, bound
-        self.running = 0
-        self._cond = threading.Condition()
-        self._closed = False
-
-    def __enter__(self) -> None:
-        with self._cond:
-            while self.running >= self.active and not self._closed:
-                self._cond.wait(WAIT_SLICE_S)
-            if self._closed:
-                raise LoaderClosed("the stream was closed")
-            self.running += 1
-
-    def __exit__(self, *exc: Any) -> None:
-        with self._cond:
-            self.running -= 1
-            self._cond.notify()
-
-    def grow(self) -> bool:
-        """Admit one more producer if the bound allows; whether it did."""
-        with self._cond:
-            if self.active >= self.bound:
-                return False
-            self.active += 1
-            self._cond.notify()
-            return True
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-
-class _Resources:
-    """What a ShardStream owns; closed by ``close()`` or by the garbage collector."""
-
-    def __init__(self, source: Source, throttle: _Throttle) -> None:
-        self.source = source
-        self.throttle = throttle
-        self.executor = cf.ThreadPoolExecutor(throttle.bound,
-                                              thread_name_prefix="gluon_stream-producer")
-        self.closed = threading.Event()
-        self.runs: weakref.WeakSet = weakref.WeakSet()
-
-    def close(self) -> None:
-        self.closed.set()
-        self.throttle.close()
-        for run in list(self.runs):
-            run.cancel()
-        self.source.close()  # kills running generator process groups
-        for thread in end_thread_pool(self.executor, CLOSE_WAIT_S):
-            logger.warning("producer thread %s is still running a transform or a "
-                           "FunctionSource fn after close(); it ends when that call returns",
-                           thread.name)
 
 
 class ShardStream(Closing):
@@ -251,14 +154,14 @@ class ShardStream(Closing):
         self._remote = producers if isinstance(producers, cf.Executor) else None
         self.auto_producers = producers == "auto"
         if self._remote is not None:  # local threads only wait for, load and transform shards
-            throttle = _Throttle(prefetch + 1, prefetch + 1)
+            throttle = Throttle(prefetch + 1, prefetch + 1)
         elif self.auto_producers:
-            throttle = _Throttle(1, max(1, min(prefetch, usable_cores())))
+            throttle = Throttle(1, max(1, min(prefetch, usable_cores())))
         else:
             producers = _validate.integer(
                 "producers", producers, minimum=1,
                 hint="'auto', or a concurrent.futures.Executor")
-            throttle = _Throttle(producers, producers)
+            throttle = Throttle(producers, producers)
         _validate.callable_or_none("transform", transform)
         self.source = source
         self.transform = transform
@@ -281,17 +184,11 @@ class ShardStream(Closing):
         self.stats = stats if stats is not None else Stats()
         self.epoch = 0
         self._next_run: EpochRun | None = None
-        self._full_sizes: dict[tuple, int] = {}  # (key, epoch or None) -> samples seen
         self.keep_keys = False  # keep an endless iterator's keys (samples_per_epoch restarts)
-        self._tapes: dict[tuple[int, int], _KeyTape] = {}
-        if isinstance(shard_sizes, int) and not isinstance(shard_sizes, bool):
-            shard_sizes = _validate.integer("shard_sizes", shard_sizes, minimum=0)
-        elif shard_sizes is not None and not (callable(shard_sizes)
-                                              or isinstance(shard_sizes, Mapping)):
-            raise TypeError(f"shard_sizes must be a dict {{key: samples}}, a callable "
-                            f"fn(key) -> samples or one int for every shard, got "
-                            f"{type(shard_sizes).__name__}")
-        self._shard_sizes = shard_sizes
+        self._tapes: dict[tuple[int, int], KeyTape] = {}
+        #: what is known of the shards' sizes without producing them (len, even_batches)
+        self.sizes = ShardSizes(source, transform, shard_sizes, self.deal, self.num_parts,
+                                self.part_index, self.epoch_keys)
         caches = bool(getattr(source, "cached", False)) and self._remote is None
         if generate_ahead == "auto":
             self.generate_ahead = 2 * (prefetch + 1) if caches else 0
@@ -304,7 +201,7 @@ class ShardStream(Closing):
                                  "cache_dir, and local producers")
         self.num_epochs = (None if num_epochs is None
                            else _validate.integer("num_epochs", num_epochs, minimum=1))
-        self._res = _Resources(source, throttle)
+        self._res = ProducerPool(source, throttle)
         self._finalizer = weakref.finalize(self, self._res.close)
         track(self, self._finalizer)
 
@@ -365,7 +262,7 @@ class ShardStream(Closing):
             if self.num_parts > 1:
                 keys = itertools.islice(keys, part, None, self.num_parts)
             if self.keep_keys:  # a pass may start again at a later epoch's boundary
-                tape = self._tapes[(epoch, part)] = _KeyTape(keys)
+                tape = self._tapes[(epoch, part)] = KeyTape(keys)
                 return tape.read(start), False, None
             return itertools.islice(keys, start, None), False, None
         keys = list(keys)
@@ -396,72 +293,6 @@ class ShardStream(Closing):
             if self.deal == "samples":
                 order = order[:length // self.num_parts]
         return order
-
-    def part_share(self, full: int, part: int | None = None) -> int:
-        """Samples a part takes of a shard of ``full`` samples."""
-        parts = self.num_parts
-        if self.deal == "samples" and parts > 1:
-            return full // parts
-        if self.deal == "strides" and parts > 1:
-            return len(range(self.part_index if part is None else part, full, parts))
-        return full
-
-    def shard_size(self, key: Any, epoch: int, part: int | None = None) -> int | None:
-        """A part's samples of a shard after transform (this part's by default), if known
-        without producing it (see :meth:`full_size`)."""
-        full = self.full_size(key, epoch)
-        return None if full is None else self.part_share(full, part)
-
-    def full_size(self, key: Any, epoch: int) -> int | None:
-        """A shard's samples after transform, before ranks take their parts, if known without
-        producing it.
-
-        Sizes every rank knows alike come first: declared ones (``shard_sizes=``), then those
-        the source knows ahead (headers, a cache filled by ``gluon-stream generate``); they are
-        never replaced by what a shard turned out to hold, so batch counts agree across ranks.
-        Then sizes seen in an earlier pass (when the data cannot change), then cached headers.
-        """
-        n = self.declared_size(key)
-        if n is None and self.transform is None:
-            n = self.source.known_size(key, epoch)  # the same on every rank
-        if n is None:
-            n = self._full_sizes.get((key, epoch), self._full_sizes.get((key, None)))
-        if n is None and self.transform is None:
-            n = self.source.num_samples(key, epoch)
-        return n
-
-    def declared_size(self, key: Any) -> int | None:
-        """The size ``shard_sizes=`` declares for a shard (None: not declared)."""
-        sizes = self._shard_sizes
-        if sizes is None:
-            return None
-        if isinstance(sizes, int):
-            return sizes
-        n = sizes(key) if callable(sizes) else sizes.get(key)
-        if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer))
-                              or n < 0):
-            raise ValueError(f"shard_sizes gives {n!r} for shard {key!r}: a number of samples "
-                             "(an int >= 0) is expected")
-        return None if n is None else int(n)
-
-    def epoch_size(self, epoch: int, part_index: int | None = None) -> int | None:
-        """Total samples of one part's epoch if every shard size is known, else None."""
-        _, finite, keys = self.epoch_keys(epoch, part_index)
-        if not finite or keys is None:
-            return None
-        total = 0
-        for key in keys:
-            n = self.shard_size(key, epoch, part_index)
-            if n is None:
-                return None
-            total += n
-        return total
-
-    def part_sizes(self, epoch: int) -> list[int] | None:
-        """Total samples of every part in an epoch (for equal batch counts), or None if unknown."""
-        sizes = [self.epoch_size(epoch, part) for part in range(self.num_parts)]
-        known = [n for n in sizes if n is not None]
-        return known if len(known) == len(sizes) else None
 
     # -- iteration ----------------------------------------------------------------------
     def __iter__(self) -> Iterator[Shard]:
@@ -610,11 +441,6 @@ class ShardStream(Closing):
                 f"shard {shard.key!r} (epoch {shard.epoch}) has arrays {found} as "
                 f"[(dtype, trailing shape)], but {self._schema} was expected (from the first "
                 "shard or schema=); every shard must batch together")
-
-    def _remember_size(self, key: Any, epoch: int, shard: Shard) -> None:
-        self._full_sizes[(key, epoch)] = shard.full_size
-        if not self.source.per_epoch:
-            self._full_sizes[(key, None)] = shard.full_size
 
     # -- lifecycle ------------------------------------------------------------------------
     def close(self) -> None:
@@ -879,8 +705,8 @@ class EpochRun:
             record = shard.record
             assert record is not None  # _make records every shard it makes
             stream.stats.add_shard(record)
-            stream._remember_size(key, self.epoch, shard)
-            expected = stream.shard_size(key, self.epoch) if stream.declared_size(key) \
+            stream.sizes.remember(key, self.epoch, shard.full_size)
+            expected = stream.sizes.shard_size(key, self.epoch) if stream.sizes.declared(key) \
                 is not None else None
             if expected is not None and expected != len(shard):
                 logger.warning(

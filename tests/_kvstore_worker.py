@@ -98,7 +98,7 @@ def main() -> None:
                 batches.append([int(i) for i in ids.asnumpy()])
             epochs.append({"epoch": epoch, "len": expected, "len_unknown": unknown,
                            "batches": batches, "keys": stream.epoch_keys(epoch)[2],
-                           "part_sizes": stream.part_sizes(epoch)})
+                           "part_sizes": stream.sizes.part_sizes(epoch)})
             times[f"epoch{epoch}"] = time.time()
         parts = {"num_parts": stream.num_parts, "part_index": stream.part_index,
                  "deal": stream.deal}

@@ -1,0 +1,81 @@
+"""The producer threads a :class:`~gluon_stream.ShardStream` owns, and the throttle that says
+how many of them may work at once (``producers='auto'`` grows it)."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import weakref
+from typing import Any
+
+from ._closing import CLOSE_WAIT_S, WAIT_SLICE_S, end_thread_pool
+from .errors import LoaderClosed
+from .sources import Source
+
+__all__ = ["ProducerPool", "Throttle"]
+
+logger = logging.getLogger(__name__)
+
+
+class Throttle:
+    """How many producers may work at once: fixed, or growing (``producers='auto'``).
+
+    Producer threads exist up to ``bound``; a shard's production waits here until fewer than
+    ``active`` are running. :meth:`grow` admits one more.
+    """
+
+    def __init__(self, active: int, bound: int) -> None:
+        self.active, self.bound = active, bound
+        self.running = 0
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def __enter__(self) -> None:
+        with self._cond:
+            while self.running >= self.active and not self._closed:
+                self._cond.wait(WAIT_SLICE_S)
+            if self._closed:
+                raise LoaderClosed("the stream was closed")
+            self.running += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        with self._cond:
+            self.running -= 1
+            self._cond.notify()
+
+    def grow(self) -> bool:
+        """Admit one more producer if the bound allows; whether it did."""
+        with self._cond:
+            if self.active >= self.bound:
+                return False
+            self.active += 1
+            self._cond.notify()
+            return True
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+class ProducerPool:
+    """What a ShardStream owns; closed by ``close()`` or by the garbage collector."""
+
+    def __init__(self, source: Source, throttle: Throttle) -> None:
+        self.source = source
+        self.throttle = throttle
+        self.executor = cf.ThreadPoolExecutor(throttle.bound,
+                                              thread_name_prefix="gluon_stream-producer")
+        self.closed = threading.Event()
+        self.runs: weakref.WeakSet = weakref.WeakSet()
+
+    def close(self) -> None:
+        self.closed.set()
+        self.throttle.close()
+        for run in list(self.runs):
+            run.cancel()
+        self.source.close()  # kills running generator process groups
+        for thread in end_thread_pool(self.executor, CLOSE_WAIT_S):
+            logger.warning("producer thread %s is still running a transform or a "
+                           "FunctionSource fn after close(); it ends when that call returns",
+                           thread.name)
