@@ -79,6 +79,13 @@ def test_bench_runs_end_to_end_and_json_has_every_contender_and_figure(tmp_path,
             "rss_per_epoch_mb", "overhead_mb", "peak_over_import_baseline_mb"} <= set(memory)
     assert len(memory["rss_per_epoch_mb"]) == 2
     assert memory["function_source"]["rows"] == 51 and memory["function_source"]["bound_mb"] > 0
+    features = results["features"]
+    assert set(features["contenders"]) == {"plain", "2 parts", "2 parts, even_batches='pad'",
+                                           "samples_per_epoch", "MixSource 3:1"}
+    assert all(c["samples_per_s"] > 0 and c["x_against"] > 0
+               for c in features["contenders"].values())
+    assert features["state_save_ms"] > 0 and features["diagnose_ms"] > 0
+    assert "even_batches='pad'" in printed and "stats.diagnose()" in printed
     assert results["targets"] and all({"target", "value", "limit", "met"} <= set(t)
                                       for t in results["targets"])
 

@@ -43,7 +43,9 @@ Gluon's DataLoader (0 workers, 2 processes, 2 threads) and streamed against a Da
 shard (see :mod:`.persample`). ``placement``: milliseconds per batch the loop spends getting a
 batch onto its context, copying it itself or with ``ctx=`` (see :mod:`.placement`).
 ``throughput`` also runs ``shuffle_window=4`` beside 1 and measures how many shards a batch
-mixes for windows of 1, 2, 4 and 8.
+mixes for windows of 1, 2, 4 and 8. ``features``: what ``even_batches='pad'``,
+``samples_per_epoch`` and ``MixSource`` cost in speed, and a saved state and ``diagnose()`` in
+milliseconds (see :mod:`.features`).
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from ..._mx import import_mxnet
+from .features import run_features_scenario
 from .measure import make_step, measure_step
 from .memory import run_memory_scenario
 from .persample import PERSAMPLE_CONTENDERS, run_persample_scenario
@@ -75,7 +78,7 @@ __all__ = ["BenchConfig", "PERSAMPLE_CONTENDERS", "PIPELINE_CONTENDERS", "PIPELI
 logger = logging.getLogger(__name__)
 
 SCENARIOS = (*PIPELINE_SCENARIOS, "throughput", "per-sample", "placement", "memory", "stragglers",
-             "window-epochs")
+             "window-epochs", "features")
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,10 @@ def run_bench(config: BenchConfig) -> dict:
             results[scenario] = run_window_epochs_scenario(workloads, config.rounds,
                                                            config.window_epochs,
                                                            config.contenders)
+        elif scenario == "features":
+            # 16 shards of a fifth of --throughput-samples rows each (default 4000)
+            results[scenario] = run_features_scenario(
+                config.rounds, seed=base.seed, rows=max(2 * 64, config.throughput_samples // 5))
         else:
             raise ValueError(f"unknown bench scenario {scenario!r}; choose from "
                              f"{', '.join(SCENARIOS)}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ...diagnosis import Diagnosis
+from .features import features_lines
 from .pipeline import PIPELINE_SCENARIOS
 
 __all__ = ["DIAGNOSED", "UNBOUNDED", "fmt", "format_results", "targets"]
@@ -200,6 +201,7 @@ def format_results(results: dict) -> str:
                 f"{fmt(fn.get('peak_over_import_baseline_mb'), '.1f')} MB")
     lines.extend(_stragglers_lines(results.get("stragglers")))
     lines.extend(_window_epochs_lines(results.get("window-epochs")))
+    lines.extend(features_lines(results.get("features")))
     targets = results.get("targets")
     if targets:
         lines.append("\ntargets:")
