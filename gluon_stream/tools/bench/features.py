@@ -44,7 +44,7 @@ def _contenders(shards: list) -> dict[str, Callable[[], StreamLoader]]:
         return FunctionSource(keys, lambda k: shards[k % SHARDS])
 
     total = sum(len(x) for x, _ in shards)
-    common = {"batch_size": BATCH, "shuffle": True, "seed": 0}
+    common: dict[str, Any] = {"batch_size": BATCH, "shuffle": True, "seed": 0}
     mix = {"a": source(range(0, SHARDS, 2)), "b": source(range(1, SHARDS, 2))}
     return {
         "plain": lambda: StreamLoader(source(), **common),
