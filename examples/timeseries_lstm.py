@@ -5,7 +5,9 @@ The motivating case of gluon_stream: for each date a generator program (here the
 ``.npy`` file. A transform, run in a background thread, cuts it into sliding windows
 ``(n, time_steps, num_inputs)`` and three labels (the next value of inputs 0 and 1, and
 whether input 0 goes up). An LSTM with one output per label trains on the batches while the next
-dates are generated.
+dates are generated. Each epoch ends with an exact validation pass over two held-out dates:
+``even_batches='pad'`` gives every rank the same number of full batches, and ``loader.pad``
+says how many rows at the end of a batch are padding, so each sample counts once.
 
     python examples/timeseries_lstm.py                 # 8 dates, 2 epochs
     python examples/timeseries_lstm.py --tiny          # seconds, for CI
@@ -50,6 +52,23 @@ class ThreeHeadLSTM(gluon.HybridBlock):
         return self.heads(last)  # (batch, 3): next0, next1, up-logit
 
 
+def validate(net: gluon.Block, source: gs.Source, args: argparse.Namespace) -> tuple[float, int]:
+    """Exact mean squared error of the next-value heads on ``source``'s dates. On several
+    ranks add ``num_parts='auto', part_index='auto'`` (read from the kvstore or the launcher):
+    every rank then runs as many batches, and summing ``err`` and ``count`` over the ranks
+    counts each sample once."""
+    err, count = 0.0, 0
+    with gs.StreamLoader(source, batch_size=args.batch_size, even_batches="pad",
+                         transform=lambda raw: make_samples(raw, args.time_steps)) as val:
+        for x, next0, next1, _ in val:
+            real = x.shape[0] - val.pad  # the rows after these are padding
+            out = net(x)[:real]
+            err += float((((out[:, 0] - next0[:real]) ** 2).sum()
+                          + ((out[:, 1] - next1[:real]) ** 2).sum()).asscalar())
+            count += real
+    return err / max(2 * count, 1), count
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -74,15 +93,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.hidden, args.batch_size, args.delay = 8, 32, 0.0
 
     first = datetime.date(2024, 1, 1)
-    dates = [(first + datetime.timedelta(days=i)).isoformat() for i in range(args.dates)]
+    days = [(first + datetime.timedelta(days=i)).isoformat() for i in range(args.dates + 2)]
+    dates, held_out = days[:-2], days[-2:]
     net = ThreeHeadLSTM(args.hidden)
     net.initialize(mx.init.Xavier())
     trainer = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": 3e-3})
     l2, bce = gluon.loss.L2Loss(), gluon.loss.SigmoidBinaryCrossEntropyLoss()
 
     with tempfile.TemporaryDirectory(prefix="timeseries_lstm_") as cache_dir:
-        source = gs.CommandSource(dates, generator_command(args.rows, args.inputs, args.delay),
-                                  cache_dir=cache_dir, timeout=120, retries=1)
+        command = generator_command(args.rows, args.inputs, args.delay)
+        source = gs.CommandSource(dates, command, cache_dir=cache_dir, timeout=120, retries=1)
         with gs.StreamLoader(source, batch_size=args.batch_size, shuffle=True, seed=0,
                              transform=lambda raw: make_samples(raw, args.time_steps),
                              last_batch="rollover", prefetch=2, producers=2) as loader:
@@ -99,8 +119,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     total += float(loss.sum().asscalar())
                     seen += x.shape[0]
                 wall = time.perf_counter() - t0
+                mse, count = validate(net, gs.CommandSource(held_out, command, cache_dir=cache_dir,
+                                                            timeout=120, retries=1), args)
                 print(f"epoch {epoch}: {seen} windows, loss {total / max(seen, 1):.4f}, "
-                      f"{seen / wall:,.0f} samples/s")
+                      f"{seen / wall:,.0f} samples/s; validation MSE {mse:.4f} over {count}")
             print(loader.stats.summary())
     return 0
 

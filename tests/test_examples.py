@@ -36,6 +36,8 @@ def test_timeseries_lstm_trains_two_epochs_on_generated_dates(tmp_path):
     assert [line.split(":")[0] for line in epochs] == ["epoch 0", "epoch 1"]
     # 3 dates x (150 rows - 8 steps) windows, batches of 32 with rollover: 13 full batches
     assert all("416 windows" in line for line in epochs)
+    # exact validation (even_batches='pad'): 2 held-out dates x 142 windows, each counted once
+    assert all("validation MSE" in line and line.endswith("over 284") for line in epochs)
     assert "shards: 6 produced (3 cache hits)" in out[-1]  # epoch 1 reuses the cache
     assert os.listdir(tmp_path) == []  # its temporary cache is gone
 
