@@ -8,13 +8,13 @@ saved in it loaded).
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from ._batching import Position
 from ._epoch import EpochPass
+from ._feed import Carry
 from ._state import LoaderState
 from .errors import InvalidState
-from .stream import ShardStream
+from .stream import EpochRun, ShardStream
 
 __all__ = ["PassStarts"]
 
@@ -47,7 +47,7 @@ class PassStarts:
         self.loaded, self.last = state, None
         self.set_epoch(state.epoch)
 
-    def begin(self) -> tuple[LoaderState, Any, Any]:
+    def begin(self) -> tuple[LoaderState, Carry | None, EpochRun | None]:
         """(start, carry, handover) of a new pass: the carry and the run the last pass left,
         where the new one goes on from them."""
         start = self.next()
@@ -55,12 +55,11 @@ class PassStarts:
         if start.position.end and self.samples_per_epoch is None:
             self.stream.set_epoch(start.epoch + 1)  # the rest of an ended epoch: nothing
         self._epoch = start.epoch + 1  # samples_per_epoch: without set_epoch, the next one
-        last = self.last
-        went_on = last is not None and last.finished
-        carry = last.carry if went_on and last is not None and start.position.carry and \
+        last = self.last if self.last is not None and self.last.finished else None
+        carry = last.carry if last is not None and start.position.carry and \
             last.state.position.carry == start.position.carry else None
-        handover = last.handover if went_on and last is not None and \
-            start.stream_epoch is not None else None
+        handover = last.handover if last is not None and start.stream_epoch is not None \
+            else None
         return start, carry, handover
 
     def current(self) -> LoaderState:

@@ -196,3 +196,12 @@ def test_the_generator_sleeps_longer_for_straggling_keys_and_varies_per_epoch(tm
     assert not np.array_equal(made["slow", 0], made["slow", 1])
     np.testing.assert_array_equal(generator.generate("fast", 20, 3),
                                   generator.generate("fast", 20, 3))  # no epoch: as before
+
+
+def test_the_features_scenario_runs_every_contender_each_round():
+    from gluon_stream.tools.bench.features import run_features_scenario
+
+    out = run_features_scenario(rounds=2, rows=130)
+    assert {name: len(c["rounds"]) for name, c in out["contenders"].items()} == {
+        "plain": 2, "2 parts": 2, "2 parts, even_batches='pad'": 2, "samples_per_epoch": 2,
+        "MixSource 3:1": 2}

@@ -45,15 +45,17 @@ def _contenders(shards: list) -> dict[str, Callable[[], StreamLoader]]:
 
     total = sum(len(x) for x, _ in shards)
     common: dict[str, Any] = {"batch_size": BATCH, "shuffle": True, "seed": 0}
-    mix = {"a": source(range(0, SHARDS, 2)), "b": source(range(1, SHARDS, 2))}
+    def mix() -> MixSource:  # a loader closes its source: new ones per pass
+        return MixSource({"a": source(range(0, SHARDS, 2)), "b": source(range(1, SHARDS, 2))},
+                         weights={"a": 3, "b": 1}, shards_per_epoch=SHARDS)
+
     return {
         "plain": lambda: StreamLoader(source(), **common),
         "2 parts": lambda: StreamLoader(source(), num_parts=2, part_index=0, **common),
         "2 parts, even_batches='pad'": lambda: StreamLoader(
             source(), num_parts=2, part_index=0, even_batches="pad", **common),
         "samples_per_epoch": lambda: StreamLoader(source(), samples_per_epoch=total, **common),
-        "MixSource 3:1": lambda: StreamLoader(
-            MixSource(mix, weights={"a": 3, "b": 1}, shards_per_epoch=SHARDS), **common),
+        "MixSource 3:1": lambda: StreamLoader(mix(), **common),
     }
 
 
