@@ -560,15 +560,19 @@ class EpochRun:
         with self._lock:
             self._start_generation()
 
-    def _start_generation(self) -> None:
+    def _start_generation(self, busy: int = 0) -> None:
+        """Submit one generation ahead if a producer is idle (``busy``: shards an earlier
+        pass has queued, which come first)."""
         stream = self.stream
         depth = stream.generate_ahead
         throttle = stream._res.throttle
-        if throttle.running + self._queued() >= throttle.active:
+        if throttle.running + self._queued() + busy >= throttle.active:
             return  # no producer is idle: the window's shards come first
+        ended = False
         while len(self._lookahead) < depth:
             nxt = self._draw_key()
             if nxt is _END:
+                ended = True
                 break
             self._lookahead.append(nxt)
         for key, index in self._lookahead:
@@ -577,6 +581,24 @@ class EpochRun:
                 self._ahead[index] = fut
                 fut.add_done_callback(self._generate_ahead)
                 return  # one at a time: the next call sees whether a producer is still idle
+        if ended and self.finite and not self.cancelled and not self._last_epoch():
+            self._generate_next_epoch()
+
+    def _last_epoch(self) -> bool:
+        return self.stream.num_epochs is not None and self.epoch + 1 >= self.stream.num_epochs
+
+    def _generate_next_epoch(self) -> None:
+        """Every key of this pass is made or under way, and a producer is idle: it generates
+        the next epoch's first shards into the cache (disk, not memory: a shuffle window's
+        tail keeps its shards, and the next epoch starts on shards already made)."""
+        try:
+            nxt = self.stream._run_ahead(self.epoch + 1, self.prepare)
+        except Exception as exc:  # keys(epoch + 1) failed: it raises again when that epoch starts
+            logger.debug("not generating epoch %d early: %s: %s", self.epoch + 1,
+                         type(exc).__name__, exc)
+            return
+        with nxt._lock:
+            nxt._start_generation(busy=self._queued())
 
     def _submit(self, key: Any, index: int) -> cf.Future:
         fut = self.stream._res.executor.submit(self.stream._produce, key, self.epoch, index,
@@ -606,9 +628,8 @@ class EpochRun:
                 self.skipped_at.append(index)
             else:
                 self.pending.append((key, index, self._submit(key, index)))
-        last = self.stream.num_epochs is not None and self.epoch + 1 >= self.stream.num_epochs
         if ahead and self.exhausted and self.finite and len(self.pending) < depth \
-                and not self.cancelled and not last:
+                and not self.cancelled and not self._last_epoch():
             # the window has room: start on the next epoch (the one set_epoch(e + 1) or the
             # next pass will ask for); a different epoch discards it
             try:

@@ -204,3 +204,34 @@ def test_generate_ahead_needs_a_cache():
     assert gs.ShardStream(src).generate_ahead == 0
     with pytest.raises(ValueError, match="needs a source with a cache_dir"):
         gs.ShardStream(src, generate_ahead=3)
+
+
+def test_idle_producers_generate_the_next_epoch_while_a_window_holds_its_shards(tmp_path):
+    """With a shuffle window, the shards it holds leave one shard in flight; the producer that
+    idles then generates the next epoch's first shards into the cache. Here the last shard of
+    epoch 0 is made only once a shard of epoch 1 exists: impossible without that."""
+    import threading
+    made: list = []
+    epoch1_made = threading.Event()
+    started0 = []
+
+    def fn(key):
+        epoch, _ = key.split("-")
+        if epoch == "e0":
+            started0.append(key)
+            if len(started0) == 6:  # the last of epoch 0's six shards
+                assert epoch1_made.wait(20), "no shard of epoch 1 was generated ahead"
+        made.append(key)
+        if epoch == "e1":
+            epoch1_made.set()
+        return np.arange(8, dtype=np.int64) + 100 * int(key.split("-")[1])
+
+    src = gs.FunctionSource(lambda epoch: [f"e{epoch}-{i}" for i in range(6)], fn,
+                            cache_dir=tmp_path / "cache")
+    with gs.StreamLoader(src, batch_size=4, shuffle=True, seed=3, shuffle_window=4, prefetch=1,
+                         producers=2) as loader:
+        assert sum(len(b) for b in loader) == 48  # epoch 0, whole and in order
+        loader.set_epoch(1)
+        assert sum(len(b) for b in loader) == 48
+    first_e1 = next(i for i, k in enumerate(made) if k.startswith("e1"))
+    assert first_e1 < max(i for i, k in enumerate(made) if k.startswith("e0"))

@@ -84,7 +84,7 @@ def targets(results: dict) -> list[dict]:
                 fn["peak_over_baseline_mb"], round(fn["bound_mb"], 2), "<=")
     for name, c in results.get("stragglers", {}).get("contenders", {}).items():
         if name.startswith("gluon_stream"):
-            add(f"stragglers: {name} x ideal", c["x_ideal"], 1.10, "<=")
+            add(f"stragglers: {name} x ideal", c["x_ideal"], 1.08, "<=")
     for name, res in results.get("window-epochs", {}).get("scenarios", {}).items():
         add(f"window-epochs {name}: shuffle_window=4 vs 1 over "
             f"{results['window-epochs']['epochs']} epochs", res["window_vs_1"], 1.05, "<=")
