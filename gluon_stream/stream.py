@@ -581,7 +581,8 @@ class EpochRun:
                 self._ahead[index] = fut
                 fut.add_done_callback(self._generate_ahead)
                 return  # one at a time: the next call sees whether a producer is still idle
-        if ended and self.finite and not self.cancelled and not self._last_epoch():
+        if ended and self.finite and not self.cancelled and not self._last_epoch() \
+                and self.stream._next_run is not self:  # a pass made ahead stops at its own
             self._generate_next_epoch()
 
     def _last_epoch(self) -> bool:

@@ -235,3 +235,22 @@ def test_idle_producers_generate_the_next_epoch_while_a_window_holds_its_shards(
         assert sum(len(b) for b in loader) == 48
     first_e1 = next(i for i, k in enumerate(made) if k.startswith("e1"))
     assert first_e1 < max(i for i, k in enumerate(made) if k.startswith("e0"))
+
+
+def test_generating_ahead_reaches_the_next_epoch_only(tmp_path):
+    """While epoch 0 is read, idle producers may make epoch 1's shards, never epoch 2's (the run
+    made ahead for epoch 1 must not start one for epoch 2, cancelling itself)."""
+    import time
+    made: list = []
+
+    def fn(key):
+        made.append(key)
+        return np.arange(4, dtype=np.int64)
+
+    src = gs.FunctionSource(lambda epoch: [f"e{epoch}-{i}" for i in range(3)], fn,
+                            cache_dir=tmp_path / "cache")
+    with gs.ShardStream(src, prefetch=2, producers=2) as stream:
+        for _ in stream:
+            time.sleep(0.3)  # slow training: every producer idles long enough to run ahead
+    assert any(k.startswith("e1") for k in made), made  # epoch 1 was made ahead ...
+    assert not any(k.startswith("e2") for k in made), made  # ... and nothing of epoch 2
