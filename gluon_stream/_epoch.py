@@ -368,13 +368,15 @@ class EpochPass:
         pass).
         """
         settings = self.settings
+        even = self.even
         tail_due = position.carry and settings.last_batch == "keep" and settings.even is not True
+        # even_batches=True: a part short of the limit repeats its last batch after the units
+        repeats_due = even is not None and even.limit is not None and delivered < even.limit
         if units is not None and not position.end and position.unit >= units \
-                and not position.offset and not tail_due:
+                and not position.offset and not tail_due and not repeats_due:
             position = Position(position.epoch, position.unit, 0,
                                 position.carry if settings.last_batch == "rollover" else (),
                                 True)
-        even = self.even
         repeat = even.repeat if even is not None else ()
         number = even.repeat_number if even is not None else 0
         epoch, window = position.epoch, self.settings.window

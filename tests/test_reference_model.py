@@ -14,7 +14,7 @@ import os
 import mxnet as mx
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 import gluon_stream as gs
@@ -145,6 +145,13 @@ def expected(cfg, epochs):
        path=st.sampled_from(["slices"] * 4 + ["inline", "inline", "threads", "processes"]),
        cut_at=st.lists(st.tuples(st.floats(0, 1), st.booleans()), min_size=1, max_size=2),
        loop=st.sampled_from("ab"))
+# found by a deeper search: a state taken after a short rank's last real batch said "end of
+# epoch", and the resumed pass left out the batch it repeats to reach the ranks' equal count
+@example(cfg=model.Config(keys=[0, 1, 2, 3], sizes={0: 0, 1: 1, 2: 4, 3: 3}, batch_size=1,
+                          last_batch="keep", shuffle=False, seed=0, shuffle_window=1, num_parts=2,
+                          part_index=1, deal="shards", even_batches=True, failing=frozenset({1}),
+                          declared={0: 0, 1: 1, 2: 4, 3: 3}, samples_per_epoch=None),
+         epochs=1, path="slices", cut_at=[(0.5, True)], loop="a")
 def test_any_configuration_resumed_anywhere_matches_the_model(cfg, epochs, path, cut_at, loop):
     try:
         want = expected(cfg, epochs)
