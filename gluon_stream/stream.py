@@ -128,7 +128,9 @@ class ShardStream(Closing):
             up to this many shards beyond the ``prefetch`` window into the cache (disk, not
             memory), in key order: a shard that takes long to generate no longer holds up the
             ones after it, while batches keep their order and at most ``prefetch + 1`` shards
-            are loaded. ``'auto'`` (default): ``2 * (prefetch + 1)`` with a cache, else 0.
+            are loaded. ``'auto'`` (default): ``2 * (prefetch + 1)`` with a cache, else 0, and
+            with a ``cache_limit`` of N shards at most ``N - prefetch - 2`` (shards made ahead
+            are not evicted before they are read).
 
     Example:
         >>> from gluon_stream import FunctionSource
@@ -192,6 +194,9 @@ class ShardStream(Closing):
         caches = bool(getattr(source, "cached", False)) and self._remote is None
         if generate_ahead == "auto":
             self.generate_ahead = 2 * (prefetch + 1) if caches else 0
+            room = source.cache_room
+            if room is not None:  # shards made ahead must not be evicted before they are read
+                self.generate_ahead = max(0, min(self.generate_ahead, room - prefetch - 2))
         else:
             self.generate_ahead = _validate.integer("generate_ahead", generate_ahead, minimum=0,
                                                     hint="or 'auto'")

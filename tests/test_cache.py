@@ -712,3 +712,29 @@ def test_a_cache_remounted_read_only_while_running_says_so(tmp_path, monkeypatch
                                                 r"cannot be generated there"):
             src.produce("k1", 0)
     assert runs(tmp_path) == []
+
+
+def test_a_shard_evicted_between_its_lookup_and_its_recipe_is_made_again(tmp_path, monkeypatch):
+    """Another shard's room-making may evict a shard between finding it and reading what made
+    it: that is a miss (made again), not a FileNotFoundError out of the loop."""
+    made = []
+
+    def fn(key):
+        made.append(key)
+        return np.arange(3, dtype=np.int64)
+
+    with gs.ShardStream(gs.FunctionSource(["a"], fn, cache_dir=tmp_path)) as stream:
+        assert [len(s) for s in stream] == [3]
+    real = cache_local.LocalShardCache.recipe_of
+    vanished = []
+
+    def evicted_meanwhile(self, path):
+        if not vanished:
+            vanished.append(path)
+            os.unlink(path)
+        return real(self, path)
+
+    monkeypatch.setattr(cache_local.LocalShardCache, "recipe_of", evicted_meanwhile)
+    with gs.ShardStream(gs.FunctionSource(["a"], fn, cache_dir=tmp_path)) as stream:
+        assert [len(s) for s in stream] == [3]
+    assert vanished and made == ["a", "a"]

@@ -254,3 +254,18 @@ def test_generating_ahead_reaches_the_next_epoch_only(tmp_path):
             time.sleep(0.3)  # slow training: every producer idles long enough to run ahead
     assert any(k.startswith("e1") for k in made), made  # epoch 1 was made ahead ...
     assert not any(k.startswith("e2") for k in made), made  # ... and nothing of epoch 2
+
+
+def test_generate_ahead_auto_stays_within_a_cache_limit(tmp_path):
+    """Shards made ahead must be read before the cache evicts them: 'auto' leaves room for the
+    prefetch window, the shard in use and one being made."""
+    def stream(limit, prefetch=2, **kw):
+        src = gs.FunctionSource(range(4), lambda k: np.zeros(2), cache_dir=tmp_path,
+                                cache_limit=limit)
+        return gs.ShardStream(src, prefetch=prefetch, **kw)
+
+    for limit, ahead in [(None, 6), (100, 6), (8, 4), (6, 2), (3, 0), ("1GB", 6)]:
+        with stream(limit) as s:
+            assert s.generate_ahead == ahead, limit
+    with stream(3, generate_ahead=5) as s:  # asked for: as given
+        assert s.generate_ahead == 5

@@ -177,7 +177,10 @@ class LocalShardCache:
         path = self.lookup(name)
         if path is None or recipe is None:
             return path
-        recorded = self.recipe_of(path)
+        try:
+            recorded = self.recipe_of(path)
+        except FileNotFoundError:  # evicted since the lookup (room made for another shard)
+            return None
         if recorded is None:
             self._note_unrecorded(path)
             return path

@@ -94,6 +94,11 @@ class Source(Closing):
         without loading them); False here."""
         return False
 
+    @property
+    def cache_room(self) -> int | None:
+        """The most shards the cache keeps (``cache_limit`` as a count); None: no count bound."""
+        return None
+
     def ensure_file(self, key: Any, epoch: int) -> tuple[str | None, bool, float]:
         """Make sure the shard is in the cache: ``(path, cache_hit, seconds)``; a source
         without a cache makes nothing ahead: ``(None, True, 0.0)``."""
@@ -153,6 +158,11 @@ class CachingSource(Source):
     def cached(self) -> bool:
         """Whether shards are kept in a ``cache_dir`` (else they are made each time)."""
         return self._cache is not None
+
+    @property
+    def cache_room(self) -> int | None:
+        limit = getattr(self._cache, "limit", None)
+        return getattr(limit, "max_shards", None)
 
     def recipe(self, key: Any, epoch: int) -> Mapping[str, Any] | None:
         """What makes this key's shard (JSON-able); a cached shard made otherwise is stale."""

@@ -241,6 +241,12 @@ class MixSource(Source):
         """Whether any source keeps its shards in a ``cache_dir`` (they can be generated ahead)."""
         return any(getattr(source, "cached", False) for source in self.sources.values())
 
+    @property
+    def cache_room(self) -> int | None:
+        """The smallest count bound of the sources' caches (None: none has one)."""
+        rooms = [room for room in (s.cache_room for s in self.sources.values()) if room is not None]
+        return min(rooms) if rooms else None
+
     def produce(self, key: Any, epoch: int, executor: Any = None) -> RawShard:
         """The shard of ``key = (name, inner key)``, made by source ``name`` for ``epoch``; its
         ``source`` is ``name``, and an error it raises carries a note naming the source."""
