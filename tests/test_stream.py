@@ -228,8 +228,10 @@ def test_idle_producers_generate_the_next_epoch_while_a_window_holds_its_shards(
 
     src = gs.FunctionSource(lambda epoch: [f"e{epoch}-{i}" for i in range(6)], fn,
                             cache_dir=tmp_path / "cache")
+    # 3 producers: the one making the last shard, one that may wait for it (its production
+    # waits for a generation ahead of the same shard), and one idle
     with gs.StreamLoader(src, batch_size=4, shuffle=True, seed=3, shuffle_window=4, prefetch=1,
-                         producers=2) as loader:
+                         producers=3) as loader:
         assert sum(len(b) for b in loader) == 48  # epoch 0, whole and in order
         loader.set_epoch(1)
         assert sum(len(b) for b in loader) == 48
