@@ -597,14 +597,21 @@ class EpochRun:
         """Every key of this pass is made or under way, and a producer is idle: it generates
         the next epoch's first shards into the cache (disk, not memory: a shuffle window's
         tail keeps its shards, and the next epoch starts on shards already made)."""
-        try:
-            nxt = self.stream._run_ahead(self.epoch + 1, self.prepare)
-        except Exception as exc:  # keys(epoch + 1) failed: it raises again when that epoch starts
-            logger.debug("not generating epoch %d early: %s: %s", self.epoch + 1,
-                         type(exc).__name__, exc)
+        nxt = self._next_epoch_run("generating")
+        if nxt is None:
             return
         with nxt._lock:
             nxt._start_generation(busy=self._queued())
+
+    def _next_epoch_run(self, doing: str) -> "EpochRun | None":
+        """The stream's pass for the next epoch, begun early; None if its keys failed (they
+        raise again when that epoch starts)."""
+        try:
+            return self.stream._run_ahead(self.epoch + 1, self.prepare)
+        except Exception as exc:
+            logger.debug("not %s epoch %d early: %s: %s", doing, self.epoch + 1,
+                         type(exc).__name__, exc)
+            return None
 
     def _submit(self, key: Any, index: int) -> cf.Future:
         fut = self.stream._res.executor.submit(self.stream._produce, key, self.epoch, index,
@@ -638,11 +645,8 @@ class EpochRun:
                 and not self.cancelled and not self._last_epoch():
             # the window has room: start on the next epoch (the one set_epoch(e + 1) or the
             # next pass will ask for); a different epoch discards it
-            try:
-                nxt = self.stream._run_ahead(self.epoch + 1, self.prepare)
-            except Exception as exc:  # keys(epoch + 1) failed: it raises again when that epoch starts
-                logger.debug("not starting epoch %d early: %s: %s", self.epoch + 1,
-                             type(exc).__name__, exc)
+            nxt = self._next_epoch_run("starting")
+            if nxt is None:
                 return
             nxt._fill(depth - len(self.pending), ahead=False)
         if ahead:
