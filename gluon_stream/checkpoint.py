@@ -29,11 +29,11 @@ import os
 import tempfile
 from typing import Any, Callable
 
-from . import _validate
+from ._utils import validate as _validate
 from ._mx import mxnet_available, import_mxnet
 from .errors import InvalidState
 from .loader import StreamLoader
-from ._files import remove_if_exists
+from ._utils.files import remove_if_exists
 
 __all__ = ["STATE_SUFFIX", "StreamCheckpoint", "do_checkpoint", "load_checkpoint"]
 

@@ -28,7 +28,7 @@ from typing import Any, Generator, Mapping, Sequence
 
 import numpy as np
 
-from ._closing import Closing
+from ._utils.closing import Closing
 from ._mx import data_iter_base, import_mxnet
 from ._mx.padding import pad_rows
 from .loader import StreamLoader

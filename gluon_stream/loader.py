@@ -2,7 +2,7 @@
 
 The loader wires the stages of each pass (an epoch): a :class:`~gluon_stream.ShardStream` (shards
 produced ahead), a planner (which samples form which batch, where a resume starts: the pure
-promise of :mod:`gluon_stream._batching`) and one of two ways to turn planned batches into data,
+promise of :mod:`gluon_stream._pipeline.batching`) and one of two ways to turn planned batches into data,
 chosen automatically:
 
 * **vectorised** (no ``batchify_fn``, no ``sample_transform``): the producer thread copies
@@ -22,24 +22,24 @@ import weakref
 from concurrent.futures import Executor
 from typing import Any, Callable, Generator, Mapping, Sequence
 
-from . import _validate
-from ._closing import Closing
-from ._contracts import BatchPath, Workers
-from ._lifecycle import check_owner, track
+from ._utils import validate as _validate
+from ._utils.closing import Closing
+from ._pipeline.contracts import BatchPath, Workers
+from ._utils.lifecycle import check_owner, track
 from ._mx import arrays as mx_arrays
 from ._mx import gluon_data_loader, import_mxnet
 from ._mx import workers as mx_workers
 from ._mx.samples import SAMPLE_FORMATS, SampleFormat
-from ._batching import LAST_BATCH_MODES, LastBatch
-from ._distributed import resolve_parts
-from ._epoch import EpochPass, PassSettings
+from ._pipeline.batching import LAST_BATCH_MODES, LastBatch
+from ._utils.distributed import resolve_parts
+from ._pipeline.epoch import EpochPass, PassSettings
 from .errors import LoaderClosed, SizeUnknown
-from ._batch_paths import SamplePath, SlicePath
-from ._retry import OnError
+from ._pipeline.batch_paths import SamplePath, SlicePath
+from ._utils.retry import OnError
 from .sources import Source
-from ._state import decode_state, encode_state
-from ._starts import PassStarts
-from ._counts import BatchCounts
+from ._pipeline.state import decode_state, encode_state
+from ._pipeline.starts import PassStarts
+from ._pipeline.counts import BatchCounts
 from .stats import Stats
 from .stream import ShardStream
 

@@ -39,8 +39,8 @@ from typing import Any, BinaryIO, Mapping, Sequence, Union
 
 import numpy as np
 
-from ._columns import Columns, normalize_arrays, sample_axis_problem
-from ._files import TEMP_MARKER, is_disk_full, remove_if_exists
+from ._utils.columns import Columns, normalize_arrays, sample_axis_problem
+from ._utils.files import TEMP_MARKER, is_disk_full, remove_if_exists
 from .errors import CorruptShard, ShardError, StreamError, UnsafeShard
 
 __all__ = ["ArrayInfo", "inspect_shard", "load_shard", "open_regular", "write_shard"]

@@ -16,7 +16,7 @@ from typing import Any, Callable, NamedTuple
 
 from .diagnosis import Diagnosis, LoaderSettings, diagnose
 from .records import EpochRecord, ShardRecord
-from ._timeline import TRAIN_LANE, plot_timeline, write_chrome_trace
+from ._utils.timeline import TRAIN_LANE, plot_timeline, write_chrome_trace
 
 __all__ = ["EpochRecord", "ShardRecord", "ShardTotals", "Span", "Stats"]
 

@@ -25,20 +25,20 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from . import _validate
-from ._closing import WAIT_SLICE_S, Closing
-from ._cores import usable_cores
-from ._lifecycle import check_owner, track
-from ._random import key_hash, seeded_rng
+from ._utils import validate as _validate
+from ._utils.closing import WAIT_SLICE_S, Closing
+from ._utils.cores import usable_cores
+from ._utils.lifecycle import check_owner, track
+from ._utils.random import key_hash, seeded_rng
 from ._mx import import_mxnet
-from ._distributed import resolve_parts
+from ._utils.distributed import resolve_parts
 from .errors import LoaderClosed, SchemaMismatch, add_note
-from ._retry import ErrorPolicy, OnError, is_permanent
-from ._columns import names_of, normalize_arrays
+from ._utils.retry import ErrorPolicy, OnError, is_permanent
+from ._utils.columns import names_of, normalize_arrays
 from .sources import RawShard, Source
-from ._sizes import ShardSizes
-from ._keys import KeyTape
-from ._producers import ProducerPool, Throttle
+from ._pipeline.sizes import ShardSizes
+from ._pipeline.keys import KeyTape
+from ._pipeline.producers import ProducerPool, Throttle
 from .records import ShardRecord
 from .stats import Stats
 

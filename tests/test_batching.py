@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gluon_stream._batching import Batch, BatchPlanner, Position, Segment
+from gluon_stream._pipeline.batching import Batch, BatchPlanner, Position, Segment
 
 sizes_st = st.lists(st.integers(min_value=0, max_value=23), min_size=0, max_size=9)
 batch_st = st.integers(min_value=1, max_value=9)

@@ -8,7 +8,7 @@ import pytest
 
 import gluon_stream as gs
 from fake_generator import command, command_source as source, generator_runs as runs, read_lines
-from gluon_stream._keys import validate_key
+from gluon_stream._pipeline.keys import validate_key
 
 
 HOSTILE_KEYS = ["a;touch X", "$(id)", "../../x", "a/b", "", "a\0b", "-rf", "k" * 300,

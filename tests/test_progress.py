@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import gluon_stream as gs
-from gluon_stream._progress import ProgressBar
+from gluon_stream._utils.progress import ProgressBar
 from gluon_stream.stats import EpochRecord
 
 

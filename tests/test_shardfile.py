@@ -14,7 +14,9 @@ import psutil
 import pytest
 
 import gluon_stream as gs
-from gluon_stream import _batchable, _columns, _files
+from gluon_stream._utils import batchable as _batchable
+from gluon_stream._utils import columns as _columns
+from gluon_stream._utils import files as _files
 
 
 def npy_bytes(arr) -> bytes:

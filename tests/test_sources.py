@@ -282,7 +282,7 @@ def test_a_short_write_while_caching_a_function_shard_is_disk_full(tmp_path, mon
     src = gs.FunctionSource(["k1"], lambda k: np.ones((100, 3)), cache_dir=tmp_path / "cache")
     with src, pytest.raises(gs.ShardError, match=r"disk full") as info:
         src.produce("k1", 0)
-    assert info.value.disk_full and gs._retry.is_permanent(info.value)
+    assert info.value.disk_full and gs._utils.retry.is_permanent(info.value)
     assert os.listdir(tmp_path / "cache") == []
 
 

@@ -48,7 +48,7 @@ def test_plot_draws_one_lane_per_producer_and_one_for_the_loop(tmp_path):
 
 
 def test_colours_can_be_told_apart():
-    from gluon_stream._timeline import COLORS
+    from gluon_stream._utils.timeline import COLORS
 
     rgb = {name: np.array([int(c[i:i + 2], 16) for i in (1, 3, 5)]) for name, c in COLORS.items()}
     names = sorted(rgb)
@@ -96,7 +96,7 @@ def test_plot_marks_epochs_and_labels_the_shards_it_has_room_for(tmp_path):
 
 def test_epoch_marks_count_back_from_the_latest_spans():
     from gluon_stream.stats import EpochRecord
-    from gluon_stream._timeline import epoch_starts
+    from gluon_stream._utils.timeline import epoch_starts
 
     stats = two_epochs_stats()
     kept = [s for s in stats.span_list() if not (s.lane == "train" and s.start < 5.5)]

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from gluon_stream import _validate
+from gluon_stream._utils import validate as _validate
 
 
 @pytest.mark.parametrize("value", [True, False, 2.0, "2", None])

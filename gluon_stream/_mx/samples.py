@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Literal, Mapping, Sequence
 
 import numpy as np
 
-from .. import _validate
+from .._utils import validate as _validate
 from ..errors import add_note
 from . import import_mxnet
 from .shm import stack_batchify

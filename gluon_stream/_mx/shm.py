@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .._columns import ShapedArrays
+from .._utils.columns import ShapedArrays
 from . import import_mxnet
 from .arrays import ZERO_COPY_DTYPES, copy_into, row_chunks, row_index, wrap_numpy
 

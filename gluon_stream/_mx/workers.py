@@ -67,7 +67,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .._closing import CLOSE_WAIT_S, WAIT_SLICE_S, end_thread_pool
+from .._utils.closing import CLOSE_WAIT_S, WAIT_SLICE_S, end_thread_pool
 from ..errors import BatchTimeout, LoaderClosed, WorkerDied, add_note
 from .samples import BatchMaker, Refs, seed_mxnet_lazily
 from .shm import (SharedArrays, SlotTable, SlotWriter, attach, recv_fds, remove_worker_shm,

@@ -6,7 +6,7 @@ import os
 import threading
 from typing import Tuple, Type
 
-from .._fsspec import is_url, local_or_url
+from .._utils.fsspec import is_url, local_or_url
 from .base import Create, Recipe, ShardCache
 from .evict import CacheLimit, parse_cache_limit
 from .local import ON_CHANGE, SUFFIXES, LocalShardCache

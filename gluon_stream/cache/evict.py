@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from ..errors import CorruptShard
-from .._files import remove_if_exists
+from .._utils.files import remove_if_exists
 from ..shardfile import open_regular
 
 __all__ = ["CacheLimit", "evict_if_unread", "evict_lru", "parse_cache_limit"]

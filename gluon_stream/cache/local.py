@@ -51,10 +51,10 @@ import time
 import uuid
 from typing import Any, Callable, Iterator, Mapping
 
-from .. import _validate
-from .._closing import WAIT_SLICE_S
+from .._utils import validate as _validate
+from .._utils.closing import WAIT_SLICE_S
 from ..errors import CacheFull, CorruptShard, LoaderClosed, ShardError, StaleShard, UnsafeShard
-from .._files import TEMP_MARKER, discard_path, remove_if_exists
+from .._utils.files import TEMP_MARKER, discard_path, remove_if_exists
 from ..shardfile import inspect_shard, open_regular
 from .base import Create, Recipe
 from .evict import CacheLimit, evict_if_unread, evict_lru

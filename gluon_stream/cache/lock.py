@@ -16,7 +16,7 @@ import time
 from typing import Callable, Iterator
 
 from ..errors import LoaderClosed
-from .._files import remove_if_exists
+from .._utils.files import remove_if_exists
 
 __all__ = ["LOCK_SUFFIX", "exclusive", "remove_if_unheld"]
 

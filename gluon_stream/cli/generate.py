@@ -13,8 +13,8 @@ from typing import Any, Sequence
 
 from ..cache import SUFFIXES as SHARD_SUFFIXES
 from ..errors import StreamError
-from .._keys import validate_key
-from .._progress import make_tqdm
+from .._pipeline.keys import validate_key
+from .._utils.progress import make_tqdm
 from ..sources import CommandSource
 from ._args import (UsageError, ensure_writable_dir, non_negative_float, non_negative_int,
                     positive_int)

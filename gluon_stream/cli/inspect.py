@@ -19,7 +19,7 @@ import os
 from typing import Any, Sequence
 
 from ..errors import StreamError, UnbatchableShard
-from .._batchable import check_batchable
+from .._utils.batchable import check_batchable
 from ..shardfile import inspect_shard
 from ..sources.files import expand_paths
 from ._args import UsageError

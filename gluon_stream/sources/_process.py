@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from .._closing import WAIT_SLICE_S
+from .._utils.closing import WAIT_SLICE_S
 
 __all__ = ["ProgramRunner", "RunResult", "STDERR_TAIL_BYTES"]
 

@@ -8,13 +8,13 @@ import re
 import stat
 from typing import Any, Mapping, Sequence
 
-from .. import _validate
+from .._utils import validate as _validate
 from ..cache import SUFFIXES
 from ..cache.recipe import recipe_digest
 from ..errors import CommandNotFound, CorruptShard, ShardError, ShardTimeout, UnsafeShard
-from .._keys import Keys, validate_key
-from .._retry import RetryPolicy
-from .._files import discard_path, is_disk_full
+from .._pipeline.keys import Keys, validate_key
+from .._utils.retry import RetryPolicy
+from .._utils.files import discard_path, is_disk_full
 from ..shardfile import inspect_shard
 from .base import CachingSource
 from ._process import ProgramRunner

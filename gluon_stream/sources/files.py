@@ -7,7 +7,7 @@ import os
 import time
 from typing import Any, Iterator, Sequence
 
-from .._fsspec import downloaded, fsspec, glob_urls, is_url, local_or_url
+from .._utils.fsspec import downloaded, fsspec, glob_urls, is_url, local_or_url
 from ..cache import SUFFIXES
 from ..errors import CorruptShard
 from ..shardfile import inspect_shard, load_shard

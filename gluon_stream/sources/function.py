@@ -9,8 +9,8 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import ShardError, StreamError
-from .._keys import Keys
-from .._columns import normalize_arrays
+from .._pipeline.keys import Keys
+from .._utils.columns import normalize_arrays
 from ..shardfile import write_shard
 from .base import CachingSource, RawShard, run_elsewhere
 

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any
 
-from .records import EpochRecord
+from ..records import EpochRecord
 
 __all__ = ["ProgressBar", "make_tqdm"]
 

@@ -13,8 +13,8 @@ import os
 import tempfile
 from typing import Any, Iterator
 
-from .errors import CorruptShard, ShardError, StreamError, UnsafeShard
-from ._files import TEMP_MARKER, remove_if_exists
+from ..errors import CorruptShard, ShardError, StreamError, UnsafeShard
+from .files import TEMP_MARKER, remove_if_exists
 
 __all__ = ["downloaded", "fsspec", "glob_urls", "is_url", "local_or_url", "storage_errors"]
 

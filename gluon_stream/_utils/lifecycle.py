@@ -20,7 +20,7 @@ import threading
 import weakref
 from typing import Any, Callable
 
-from .errors import LoaderClosed
+from ..errors import LoaderClosed
 
 __all__ = ["check_owner", "track"]
 

@@ -31,8 +31,8 @@ from typing import Any, Iterator, Literal
 
 import numpy as np
 
-from . import _validate
-from ._random import seeded_rng
+from .._utils import validate as _validate
+from .._utils.random import seeded_rng
 
 __all__ = ["LAST_BATCH_MODES", "Batch", "LastBatch", "BatchPlanner", "MixedUnit", "Position", "Segment",
            "UnitPlan", "WindowMixer"]

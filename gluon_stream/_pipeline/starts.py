@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 
-from ._batching import Position
-from ._epoch import EpochPass
-from ._feed import Carry
-from ._state import LoaderState
-from .errors import InvalidState
-from .stream import EpochRun, ShardStream
+from .batching import Position
+from .epoch import EpochPass
+from .feed import Carry
+from .state import LoaderState
+from ..errors import InvalidState
+from ..stream import EpochRun, ShardStream
 
 __all__ = ["PassStarts"]
 

@@ -8,9 +8,9 @@ import threading
 import weakref
 from typing import Any
 
-from ._closing import CLOSE_WAIT_S, WAIT_SLICE_S, end_thread_pool
-from .errors import LoaderClosed
-from .sources import Source
+from .._utils.closing import CLOSE_WAIT_S, WAIT_SLICE_S, end_thread_pool
+from ..errors import LoaderClosed
+from ..sources import Source
 
 __all__ = ["ProducerPool", "Throttle"]
 

@@ -10,7 +10,7 @@ import re
 import threading
 from typing import Any, Callable, Iterable, Iterator, Sequence, Union
 
-from .errors import StreamError, UnsafeKey
+from ..errors import StreamError, UnsafeKey
 
 __all__ = ["KeyTape", "Keys", "MAX_KEY_LENGTH", "check_keys", "keys_for_epoch", "validate_key"]
 

@@ -12,7 +12,7 @@ import logging
 import os
 from typing import Any, Mapping
 
-from . import _validate
+from . import validate as _validate
 
 __all__ = ["resolve_parts"]
 

@@ -2,9 +2,9 @@
 limit, from the declared or known shard sizes (never by producing shards)."""
 from __future__ import annotations
 
-from ._batching import LastBatch
-from .errors import SizeUnknown
-from .stream import ShardStream
+from .batching import LastBatch
+from ..errors import SizeUnknown
+from ..stream import ShardStream
 
 __all__ = ["BatchCounts"]
 

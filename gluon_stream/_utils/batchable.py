@@ -9,7 +9,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from .errors import UnbatchableShard
+from ..errors import UnbatchableShard
 
 __all__ = ["MXNET_DTYPES", "check_batchable"]
 

@@ -1,7 +1,7 @@
 """A loader's position as plain data, for exact resume: encoded, checked, decoded.
 
 A :class:`LoaderState` composes the positions of the stages that own them: the planner's
-(:class:`~gluon_stream._batching.Position`: the next unit and row, the samples carried, or the
+(:class:`~gluon_stream._pipeline.batching.Position`: the next unit and row, the samples carried, or the
 end of the epoch), the run's (shards it skipped that a resume must skip again), and
 even_batches' (the batch a part left short repeats). Encoded, it also holds enough to tell
 whether a loader can continue from it: the settings that decide the batches, the keys at the
@@ -16,9 +16,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from . import _validate
-from ._batching import Position, Segment
-from .errors import InvalidState
+from .._utils import validate as _validate
+from .batching import Position, Segment
+from ..errors import InvalidState
 
 __all__ = ["STATE_VERSION", "LoaderState", "decode_state", "encode_state", "keys_digest"]
 
@@ -36,7 +36,7 @@ class LoaderState:
     """Where a loader stands between batches, as its stages hold it.
 
     Attributes:
-        position: The planner's position (see :class:`~gluon_stream._batching.Position`).
+        position: The planner's position (see :class:`~gluon_stream._pipeline.batching.Position`).
         delivered: Batches of the epoch delivered so far (they number the next batches).
         skipped: Shards, as ``(epoch, position in the epoch)``, that failed with
             ``on_error='skip'`` and that a resume reads from or around (a shuffle window mixes

@@ -2,10 +2,10 @@
 
 A pass wires an epoch's stages: the stream's :class:`~gluon_stream.stream.EpochRun` (shards in
 order), a feed (units: shards, or the mixed units of a shuffle window), the
-:class:`~gluon_stream._batching.BatchPlanner` (which samples form which batch), a batch path
+:class:`~gluon_stream._pipeline.batching.BatchPlanner` (which samples form which batch), a batch path
 (slices, or per-sample work on workers) and, with even_batches, :class:`EvenBatches`. Each
 stage owns its position; :attr:`EpochPass.state` composes them after the last batch yielded,
-so a :class:`~gluon_stream._state.LoaderState` taken between any two batches, the last one
+so a :class:`~gluon_stream._pipeline.state.LoaderState` taken between any two batches, the last one
 included, resumes exactly.
 """
 from __future__ import annotations
@@ -15,17 +15,17 @@ import time
 from dataclasses import dataclass
 from typing import Any, Generator, Iterator, Sequence
 
-from ._mx import arrays as mx_arrays
-from ._mx.padding import pad_rows
-from ._random import batch_seed
-from ._batching import Batch, BatchPlanner, Position, Segment, WindowMixer
-from ._contracts import BatchPath
-from .errors import InvalidState, StreamError
-from ._feed import Carry, MixedData, UnitFeed, WindowFeed
-from ._progress import ProgressBar
-from ._state import LoaderState
-from .records import EpochRecord
-from .stream import EpochRun, ShardStream
+from .._mx import arrays as mx_arrays
+from .._mx.padding import pad_rows
+from .._utils.random import batch_seed
+from .batching import Batch, BatchPlanner, Position, Segment, WindowMixer
+from .contracts import BatchPath
+from ..errors import InvalidState, StreamError
+from .feed import Carry, MixedData, UnitFeed, WindowFeed
+from .._utils.progress import ProgressBar
+from .state import LoaderState
+from ..records import EpochRecord
+from ..stream import EpochRun, ShardStream
 
 __all__ = ["EpochPass", "EvenBatches", "PassSettings"]
 

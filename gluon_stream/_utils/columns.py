@@ -10,7 +10,7 @@ from typing import Any, Iterable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
-from .errors import SchemaMismatch, UnsafeShard
+from ..errors import SchemaMismatch, UnsafeShard
 
 _S = TypeVar("_S", bound="ShapedArrays")
 

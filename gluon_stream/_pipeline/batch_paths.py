@@ -7,8 +7,8 @@
   are submitted ahead, across unit boundaries, so rotating to the next shard does not drain the
   workers.
 
-Both take a :class:`~gluon_stream._feed.UnitFeed` (units in order, each with its plan) and the
-:class:`~gluon_stream._feed.Carry`, and yield ``(planned batch, data)``.
+Both take a :class:`~gluon_stream._pipeline.feed.UnitFeed` (units in order, each with its plan) and the
+:class:`~gluon_stream._pipeline.feed.Carry`, and yield ``(planned batch, data)``.
 """
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ from typing import Any, Callable, Iterator, cast
 
 import numpy as np
 
-from ._mx import arrays as mx_arrays
-from ._mx import shm as mx_shm
-from ._batching import Batch, Segment, UnitPlan
-from ._feed import Carry, MixedData, UnitFeed
-from ._batchable import check_batchable
-from ._columns import ShapedArrays
-from ._contracts import Workers
-from .stream import Prepare
+from .._mx import arrays as mx_arrays
+from .._mx import shm as mx_shm
+from .batching import Batch, Segment, UnitPlan
+from .feed import Carry, MixedData, UnitFeed
+from .._utils.batchable import check_batchable
+from .._utils.columns import ShapedArrays
+from .contracts import Workers
+from ..stream import Prepare
 
 __all__ = ["Ordered", "SamplePath", "SlicePath"]
 

@@ -6,8 +6,8 @@ from typing import Any, Callable, Iterator, Mapping, Union
 
 import numpy as np
 
-from . import _validate
-from .sources import Source
+from .._utils import validate as _validate
+from ..sources import Source
 
 __all__ = ["DeclaredSizes", "ShardSizes"]
 

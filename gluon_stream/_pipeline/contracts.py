@@ -1,6 +1,6 @@
 """The contracts between the loader's stages, as ``typing.Protocol`` s that mypy checks.
 
-A pass (:mod:`gluon_stream._epoch`) drives a :class:`BatchPath` (planned batches into data:
+A pass (:mod:`gluon_stream._pipeline.epoch`) drives a :class:`BatchPath` (planned batches into data:
 slices of a unit, or per-sample work); the per-sample path drives :class:`Workers` (inline,
 threads or processes). The shard cache's contract is
 :class:`gluon_stream.cache.ShardCache`; a source's is :class:`gluon_stream.Source`. Each
@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 if TYPE_CHECKING:
     import concurrent.futures as cf
 
-    from ._batching import Batch, Segment
-    from ._feed import Carry, MixedData, UnitFeed
-    from .stream import Prepare
+    from .batching import Batch, Segment
+    from .feed import Carry, MixedData, UnitFeed
+    from ..stream import Prepare
 
 __all__ = ["BatchPath", "Workers"]
 

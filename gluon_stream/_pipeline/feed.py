@@ -1,8 +1,8 @@
 """An epoch's units, each with its batch plan: what both of the loader's batch paths read.
 
-A unit is the thing the :class:`~gluon_stream._batching.BatchPlanner` cuts into batches: a shard
+A unit is the thing the :class:`~gluon_stream._pipeline.batching.BatchPlanner` cuts into batches: a shard
 (``shuffle_window=1``), or a :class:`MixedUnit` that mixes the samples of up to k consecutive
-shards (see :class:`~gluon_stream._batching.WindowMixer`). :class:`UnitFeed` and
+shards (see :class:`~gluon_stream._pipeline.batching.WindowMixer`). :class:`UnitFeed` and
 :class:`WindowFeed` pull the shards from an :class:`~gluon_stream.stream.EpochRun` and hand out
 ``(unit, plan)`` in order; :attr:`UnitFeed.final` is then the epoch's short tail (or the samples
 carried before a failing shard), :attr:`UnitFeed.failure` the error to raise after it.
@@ -18,10 +18,10 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ._batching import Batch, BatchPlanner, MixedUnit, Position, Segment, UnitPlan, WindowMixer
-from .errors import LoaderClosed
-from .records import EpochRecord
-from .stream import EpochRun, Shard
+from .batching import Batch, BatchPlanner, MixedUnit, Position, Segment, UnitPlan, WindowMixer
+from ..errors import LoaderClosed
+from ..records import EpochRecord
+from ..stream import EpochRun, Shard
 
 __all__ = ["Carry", "FeedState", "MixedData", "UnitFeed", "WindowFeed"]
 
@@ -177,7 +177,7 @@ class WindowFeed(UnitFeed):
     """Units that mix the samples of ``window`` consecutive shards (``shuffle_window > 1``).
 
     Unit ``t`` is handed out as soon as shard ``t`` is in (see
-    :class:`~gluon_stream._batching.WindowMixer`); a shard is let go of once no later unit
+    :class:`~gluon_stream._pipeline.batching.WindowMixer`); a shard is let go of once no later unit
     reads it. The shards held here and those in flight stay within ``budget``
     (``max(prefetch, window) + 1``), at least one always being produced ahead. The path's
     ``mix_later`` gives a unit its data in the background: when a unit is handed out and the

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Literal, Tuple, Union
 
-from .errors import CommandNotFound, CorruptShard, SchemaMismatch, UnsafeShard
+from ..errors import CommandNotFound, CorruptShard, SchemaMismatch, UnsafeShard
 
 __all__ = ["ON_ERROR_MODES", "ErrorPolicy", "OnError", "RetryPolicy", "is_permanent"]
 
