@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import weakref
 from concurrent.futures import Executor
-from typing import Any, Callable, Generator, Mapping, Sequence
+from typing import Any, Callable, Generator, Iterator, Mapping, Sequence
 
 from ._utils import validate as _validate
 from ._utils.closing import Closing
@@ -284,7 +284,7 @@ class StreamLoader(Closing):
             if self.progress and not end else None
         self._starts.last = EpochPass(self.stream, self._path, self._settings, start, limit,
                                       expected, carry, handover)
-        return iter(self._starts.last)
+        return _held(self, iter(self._starts.last))
 
     def _settings_saved(self) -> dict:
         """What decides the batches, stored in a state and checked on load."""
@@ -345,6 +345,15 @@ class StreamLoader(Closing):
         if self._res.closed:
             raise LoaderClosed("this StreamLoader is closed; create a new one")
         self.stream.check_open()
+
+
+def _held(loader: StreamLoader, batches: Iterator[Any]) -> Generator[Any, None, None]:
+    """``batches``, holding ``loader`` while they run: ``for b in StreamLoader(...)`` and
+    ``next(iter(StreamLoader(...)))`` refer to the loader only through its iterator, and the
+    loader's finalizer (which closes its stream and workers) must wait for the last of the two
+    to go. An iterator abandoned mid-epoch and dropped closes its pass, then lets go of the
+    loader, which garbage collection then closes."""
+    yield from batches
 
 
 def _check_even_batches(even_batches: Any, last_batch: str) -> None:
