@@ -307,8 +307,10 @@ class StreamLoader(Closing):
         a checksum (an edited state is refused).
         """
         state = self._starts.current()
+        position = state.position
         return encode_state(state, self._settings_saved(),
-                            self.stream.epoch_keys(state.position.epoch)[2])
+                            self.stream.epoch_keys(position.epoch)[2],
+                            self.stream.kept_key(position.epoch, position.unit))
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict` of a loader built with the same arguments.
@@ -328,7 +330,8 @@ class StreamLoader(Closing):
         if adopt:
             settings["seed"] = seed
         decoded = decode_state(state, settings, self.batch_size,
-                               lambda epoch: self._keys_with_seed(epoch, settings["seed"]))
+                               lambda epoch: self._keys_with_seed(epoch, settings["seed"]),
+                               self.stream.key_at)
         if adopt and seed is not None:
             self.stream.adopt_seed(int(seed))
         self._starts.load(decoded)

@@ -280,6 +280,20 @@ class ShardStream(Closing):
             keys = [keys[i] for i in order]
         return iter(keys[start:]), True, keys
 
+    def key_at(self, epoch: int, index: int) -> tuple[Any, str | None] | None:
+        """An endless iterator's keys kept for passes that start again (``keep_keys``): this
+        part's key ``index`` of pass ``epoch``, drawn up to it as a resumed pass draws them:
+        ``(key, None)``, or ``(None, why there is none)``; None for a key list, or keys not kept."""
+        if not self.keep_keys or self.epoch_keys(epoch)[1]:
+            return None
+        return self._tapes[(epoch, self.part_index)].key_at(index)
+
+    def kept_key(self, epoch: int, index: int) -> tuple[int, Any] | None:
+        """(position, key) of the last key kept at or before ``index`` for this part's pass
+        ``epoch`` of an endless iterator, without drawing any; None: none kept."""
+        tape = self._tapes.get((epoch, self.part_index)) if self.keep_keys else None
+        return tape.kept(index) if tape is not None else None
+
     def forget_keys(self, epoch: int, before: int) -> None:
         """The keys of an endless iterator kept for ``epoch`` before position ``before`` are
         needed no more (no pass starts again before it)."""

@@ -63,7 +63,12 @@ _GONE = object()  # the iterator has no more keys
 class KeyTape:
     """The keys an endless iterator gave, kept from position ``base`` on, so that a pass can
     start again at any kept position (``samples_per_epoch`` starts each epoch where the last
-    one stopped) without drawing them again: an iterator gives each key once."""
+    one stopped) without drawing them again: an iterator gives each key once.
+
+    A pass may start beyond the keys drawn so far: a resumed state, in a new process whose
+    iterator starts from its beginning again. The keys before it are drawn then, in order, so
+    position ``i`` is always the iterator's ``i``-th key (:meth:`key_at` tells which).
+    """
 
     def __init__(self, keys: Iterable[Any]) -> None:
         self._source = iter(keys)
@@ -76,18 +81,40 @@ class KeyTape:
         index = start
         while True:
             with self._lock:
-                if index < self.base:
-                    raise StreamError(f"the keys before position {self.base} of the iterator "
-                                      f"were let go; a pass cannot start at {index}")
-                if index - self.base < len(self._keys):
-                    key = self._keys[index - self.base]
-                else:
-                    key = next(self._source, _GONE)
-                    if key is _GONE:
-                        return
-                    self._keys.append(key)
+                key = self._at(index)
+            if key is _GONE:
+                return
             yield key
             index += 1
+
+    def key_at(self, index: int) -> tuple[Any, str | None]:
+        """(the key at ``index``, None), drawing up to it; or (None, why there is none)."""
+        with self._lock:
+            if index < self.base:
+                return None, (f"its keys before position {self.base} were let go (an iterator "
+                              "gives each key once)")
+            key = self._at(index)
+            if key is _GONE:
+                return None, f"it ended after {self.base + len(self._keys)} key(s)"
+            return key, None
+
+    def kept(self, index: int) -> tuple[int, Any] | None:
+        """(position, key) of the last key kept at or before ``index``, without drawing."""
+        with self._lock:
+            last = min(index, self.base + len(self._keys) - 1)
+            return (last, self._keys[last - self.base]) if last >= self.base else None
+
+    def _at(self, index: int) -> Any:
+        """The key at ``index`` (the lock held): kept, or drawn with every key before it."""
+        if index < self.base:
+            raise StreamError(f"the keys before position {self.base} of the iterator "
+                              f"were let go; a pass cannot start at {index}")
+        while index - self.base >= len(self._keys):
+            key = next(self._source, _GONE)
+            if key is _GONE:
+                return _GONE
+            self._keys.append(key)
+        return self._keys[index - self.base]
 
     def forget(self, before: int) -> None:
         with self._lock:

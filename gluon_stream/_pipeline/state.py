@@ -25,10 +25,13 @@ __all__ = ["STATE_VERSION", "LoaderState", "decode_state", "encode_state", "keys
 STATE_VERSION = 3
 _JSON_KEY = (str, int, float)
 _FIELDS = {"version", "epoch", "end", "unit", "offset", "batches", "carry", "skipped",
-           "settings", "digest"}  # and, where they apply, "repeat", "lead" and "keys"
+           "settings", "digest"}  # and, where they apply, "repeat", "lead", "keys", "drawn"
 
 #: ``epoch_keys(epoch)``: an epoch's shard order for this part (None: an endless iterator).
 EpochKeys = Callable[[int], "Sequence[Any] | None"]
+#: ``key_at(epoch, i)``: an endless iterator's key ``i`` in pass ``epoch``, drawn up to it, as
+#: ``(key, None)`` or ``(None, why there is none)``; None where keys are not drawn again.
+KeyAt = Callable[[int, int], "tuple[Any, str | None] | None"]
 
 
 @dataclass(frozen=True)
@@ -87,11 +90,12 @@ def _segments(segments: Sequence[Segment]) -> list:
 
 
 def encode_state(state: LoaderState, settings: Mapping[str, Any],
-                 epoch_keys: Sequence[Any] | None) -> dict:
+                 epoch_keys: Sequence[Any] | None, drawn: tuple[int, Any] | None = None) -> dict:
     """The JSON-serialisable form of ``state``, checksummed.
 
     ``epoch_keys`` is the shard order of the position's epoch (its pass over the keys) for this
-    part (None for endless key iterators).
+    part (None for endless key iterators). ``drawn``: an endless iterator's (position, key) at
+    or before the state's shard, for a resume to check that its iterator gives the same keys.
     """
     position = state.position
     out: dict = {"version": STATE_VERSION, "epoch": state.epoch, "end": position.end,
@@ -109,18 +113,21 @@ def encode_state(state: LoaderState, settings: Mapping[str, Any],
         seen = list(epoch_keys[:position.unit + 1])
         out["keys"] = {"count": len(seen), "digest": keys_digest(seen),
                        "next": _key(seen[position.unit]) if position.unit < len(seen) else None}
+    elif drawn is not None:
+        out["drawn"] = {"position": drawn[0], "key": _key(drawn[1])}
     out["digest"] = _checksum(out)
     return out
 
 
 def decode_state(state: Any, settings: Mapping[str, Any], batch_size: int,
-                 epoch_keys: EpochKeys) -> LoaderState:
+                 epoch_keys: EpochKeys, key_at: KeyAt | None = None) -> LoaderState:
     """Check ``state`` against this loader and return it decoded.
 
     Raises:
         InvalidState: the state is not one of a StreamLoader of this version, it was edited
             or damaged (its checksum), it was saved with other settings, a field is out of
-            range, or the keys it refers to changed.
+            range, or the keys it refers to changed (or, from an endless iterator, cannot be
+            drawn again up to where it resumes).
     """
     if not isinstance(state, Mapping):
         raise InvalidState(f"not a StreamLoader state: a dict is expected, got "
@@ -157,6 +164,8 @@ def decode_state(state: Any, settings: Mapping[str, Any], batch_size: int,
     _check_keys(state, epoch, position.unit, keys)
     for segment in position.carry + repeat:
         _check_segment_key(segment, epoch_keys(segment.epoch) if segment.epoch != epoch else keys)
+    if keys is None and key_at is not None:
+        _check_drawn(state, epoch, position.unit, key_at)
     return LoaderState(position, delivered, skipped, repeat, number, lead, stream_epoch)
 
 
@@ -258,6 +267,34 @@ def _check_keys(state: Mapping[str, Any], epoch: int, unit: int, keys: Sequence[
             f"{saved['count']} shard(s) (up to {saved.get('next')!r}, where it resumes) are not "
             f"the same now ({len(now)}, up to {found!r}); resuming would repeat or skip samples. "
             "Resume with the keys it was saved with, or start the epoch afresh")
+
+
+def _check_drawn(state: Mapping[str, Any], epoch: int, unit: int, key_at: KeyAt) -> None:
+    """An endless iterator: its keys up to the state's shard are drawn again (a new process
+    builds it from its beginning), and the one the state recorded must be the same."""
+    drawn = state.get("drawn")
+    if drawn is not None and (not isinstance(drawn, Mapping) or {"position", "key"} - set(drawn)):
+        raise InvalidState(f"state field 'drawn' must have position and key, got {drawn!r}")
+    index = _int(drawn, "position") if drawn is not None else unit
+    if index > unit:
+        raise InvalidState(f"state field 'drawn.position' is {index}, after the shard it resumes "
+                           f"at ({unit})")
+    found = key_at(epoch, index)
+    if found is None:
+        return
+    key, missing = found
+    where = (f"pass {epoch} over the keys at shard {index}"
+             + (f" ({drawn['key']!r} when it was saved)" if drawn is not None else ""))
+    if missing is not None:
+        raise InvalidState(
+            f"the state resumes {where}, but this loader's key iterator cannot be drawn up to "
+            f"it: {missing}. Load it into a new loader whose key iterator starts from its "
+            "beginning, as the saved run's did")
+    if drawn is not None and _key(key) != drawn["key"]:
+        raise InvalidState(
+            f"the state resumes {where}, but this loader's key iterator gives {_key(key)!r} "
+            "there: it does not give the keys the saved run's did (build it from its beginning, "
+            "as that run did); resuming would read other samples")
 
 
 def _check_segment_key(segment: Segment, keys: Sequence[Any] | None) -> None:
