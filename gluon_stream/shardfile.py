@@ -43,7 +43,8 @@ from ._utils.columns import Columns, normalize_arrays, sample_axis_problem
 from ._utils.files import TEMP_MARKER, is_disk_full, remove_if_exists
 from .errors import CorruptShard, ShardError, StreamError, UnsafeShard
 
-__all__ = ["ArrayInfo", "inspect_shard", "load_shard", "open_regular", "write_shard"]
+__all__ = ["ArrayInfo", "inspect_file", "inspect_shard", "load_shard", "open_regular",
+           "write_shard"]
 
 logger = logging.getLogger(__name__)
 
@@ -221,6 +222,13 @@ def inspect_shard(path: str | os.PathLike) -> list[ArrayInfo]:
         return _inspect_open(fp, path)[0]
 
 
+def inspect_file(fp: BinaryIO, size: int, path: Any) -> list[ArrayInfo]:
+    """:func:`inspect_shard` of an open, seekable binary file of ``size`` bytes that is not a
+    local file (an fsspec file: only the headers, and an ``.npz``'s directory, are read);
+    ``path`` names it in errors."""
+    return _inspect_open(fp, path, size)[0]
+
+
 class _opened:
     """``open_regular`` as a context manager whose missing file is a CorruptShard."""
 
@@ -238,9 +246,11 @@ class _opened:
         self.fp.close()
 
 
-def _inspect_open(fp: BinaryIO, path: Any) -> tuple[list[ArrayInfo], _NpyLayout | None]:
+def _inspect_open(fp: BinaryIO, path: Any, size: int | None = None
+                  ) -> tuple[list[ArrayInfo], _NpyLayout | None]:
     """Infos of an open shard, and the ``.npy`` layout (None for ``.npz``)."""
-    size = os.fstat(fp.fileno()).st_size
+    if size is None:
+        size = os.fstat(fp.fileno()).st_size
     head = fp.read(6)
     fp.seek(0)
     if head[:4] in ZIP_MAGICS:

@@ -426,6 +426,66 @@ def test_an_fsspec_cache_dir_counts_samples_after_the_first_pass(tmp_path):
         fs.rm("/gs-len", recursive=True)
 
 
+@pytest.mark.parametrize("columns", [1, 2], ids=["npy", "npz"])
+def test_an_fsspec_cache_dir_knows_sizes_from_headers_read_in_place(columns):
+    """A fresh loader over an fsspec cache_dir holding every shard knows len() as a local
+    cache does, reading a few KiB of each object (its headers), not its data."""
+    fsspec = pytest.importorskip("fsspec")
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    read = []
+
+    class Counted:
+        """A file of the store whose reads are counted."""
+
+        def __init__(self, f):
+            self.f, self.size = f, len(f.getbuffer())
+
+        def read(self, n=-1):
+            data = self.f.read(n)
+            read.append(len(data))
+            return data
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    class CountingMemoryFileSystem(MemoryFileSystem):
+        protocol = "countedmem"
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            return super()._strip_protocol(path.replace("countedmem://", "memory://", 1))
+
+        def _open(self, path, mode="rb", *args, **kwargs):
+            f = super()._open(path, mode, *args, **kwargs)
+            return Counted(f) if "r" in mode else f
+
+    fsspec.register_implementation("countedmem", CountingMemoryFileSystem, clobber=True)
+    sizes = [6, 50000, 3]  # 400 kB of data in k-1
+    fn = lambda k: (np.arange(sizes[k], dtype=np.int64), np.zeros(sizes[k], np.float32))[:columns]  # noqa: E731
+    try:
+        with gs.StreamLoader(gs.FunctionSource(range(3), fn, cache_dir="memory://gs-sized"),
+                             batch_size=4) as loader:
+            assert sum(1 for _ in loader) == 2 + 12500 + 1
+        fresh = gs.FunctionSource(range(3), fn, cache_dir="countedmem://gs-sized")
+        with gs.StreamLoader(fresh, batch_size=4) as loader:
+            read.clear()
+            assert len(loader) == 2 + 12500 + 1
+            # headers and an .npz's directory only (zipfile reads a member 4 KiB at a time),
+            # not the 400 kB (.npy) or 600 kB (.npz) of k-1
+            assert 0 < sum(read) < 16384, read
+            before = sum(read)
+            assert len(loader) == 2 + 12500 + 1 and sum(read) == before  # remembered
+    finally:
+        fsspec.filesystem("memory").rm("/gs-sized", recursive=True)
+
+
 @pytest.fixture
 def gated_memory():
     """A memory filesystem (``gatedmem://``) whose writes stop once a file is open, until the

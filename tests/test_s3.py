@@ -80,6 +80,39 @@ def test_file_source_reads_s3_urls(s3):
     assert not [f for f in os.listdir(gs_temp()) if f.startswith("gluon_stream_fetch_")]
 
 
+# -- sizes of a filled s3:// cache_dir ----------------------------------------------------------
+
+@pytest.mark.parametrize("columns", [1, 2], ids=["npy", "npz"])
+def test_len_of_a_fresh_loader_over_a_filled_s3_cache_dir_reads_the_headers(s3, columns):
+    """len() raised SizeUnknown over an s3:// cache_dir holding every shard, while the same
+    over a local cache knew it: the headers are read in place, as locally, not the shards."""
+    s3fs_here().mkdir(BUCKET)
+    url = f"s3://{BUCKET}/sized"
+    sizes = {"a-0": 5, "a-1": 40000, "a-2": 3}  # a-1: 320 kB of data behind a 128-byte header
+
+    def fn(key):
+        ids = np.arange(sizes[key], dtype=np.int64)
+        return (ids, ids.astype(np.float32))[:columns]
+    filling = gs.FunctionSource(list(sizes), fn, cache_dir=url)
+    with gs.StreamLoader(filling, batch_size=4) as loader:
+        assert sum(1 for _ in loader) == 1 + 10000 + 1
+    assert sorted(p.rsplit("/", 1)[1] for p in s3fs_here().ls(url, detail=False)) == \
+        [f"{k}.{'npy' if columns == 1 else 'npz'}" for k in sizes]
+
+    def refuse(key):
+        raise AssertionError(f"{key} was made again: it is in the cache")
+    fresh = gs.FunctionSource(list(sizes), refuse, cache_dir=url)
+    assert [fresh.num_samples(k, 0) for k in sizes] == [5, 40000, 3]
+    with gs.StreamLoader(fresh, batch_size=4, last_batch="discard") as loader:
+        assert len(loader) == (5 + 40000 + 3) // 4
+        assert not [f for f in os.listdir(gs_temp()) if f.startswith("gluon_stream_fetch_")]
+        assert sum(1 for _ in loader) == len(loader)
+    suffix = "npy" if columns == 1 else "npz"
+    s3fs_here().pipe(f"{BUCKET}/sized/a-0.{suffix}", b"\x93NUMPY broken")
+    with gs.FunctionSource(list(sizes), fn, cache_dir=url) as again:  # unknown until produced
+        assert again.num_samples("a-0", 0) is None and again.num_samples("a-1", 0) == 40000
+
+
 # -- one s3:// cache_dir, two processes ----------------------------------------------------------
 
 _CHILD = r"""

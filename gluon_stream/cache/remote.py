@@ -40,6 +40,8 @@ from typing import Any, Iterator, Mapping
 
 from .._utils.fsspec import downloaded, fsspec, storage_errors
 from .._utils.files import TEMP_MARKER, remove_if_exists
+from ..errors import CorruptShard, UnsafeShard
+from ..shardfile import inspect_file
 from .base import Recipe
 from .local import SUFFIXES, LocalShardCache
 
@@ -47,6 +49,8 @@ __all__ = ["ATOMIC_UPLOADS", "RemoteShardCache"]
 
 logger = logging.getLogger(__name__)
 
+#: Bytes a ranged read of a shard's header fetches (an .npy header is 64 bytes to a few KiB).
+HEADER_BLOCK = 1 << 16
 #: Protocols whose uploads appear whole or not at all (an object store's PUT).
 ATOMIC_UPLOADS = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "adl", "oss"})
 
@@ -69,7 +73,8 @@ class RemoteShardCache(LocalShardCache):
         self._atomic = bool(ATOMIC_UPLOADS.intersection(protocols))
         self._root_made = False
         self._pins: collections.Counter[str] = collections.Counter()
-        self._pins_lock = threading.Lock()
+        self._pins_lock = threading.Lock()  # pins and sizes
+        self._sizes: dict[str, int] = {}  # object path -> samples, read from its header
         digest = hashlib.sha1(url.encode("utf-8")).hexdigest()[:16]
         local = os.path.join(tempfile.gettempdir(), "gluon_stream_cache", digest)
         super().__init__(local, lock_timeout, closed, limit, on_change)
@@ -79,6 +84,7 @@ class RemoteShardCache(LocalShardCache):
         state = super().__getstate__()
         del state["_pins_lock"]
         state["_pins"] = collections.Counter()
+        state["_sizes"] = {}
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -108,6 +114,7 @@ class RemoteShardCache(LocalShardCache):
         another process may have uploaded or evicted them since it was listed."""
         for suffix in SUFFIXES:
             self.fs.invalidate_cache(self._final(name, suffix))
+            self._forget_size(self._final(name, suffix))
 
     def recipe_of(self, path: str) -> dict | None:
         return None  # objects carry no extended attributes: nothing was recorded
@@ -122,8 +129,41 @@ class RemoteShardCache(LocalShardCache):
                         "generator changes", self.url)
 
     def num_samples(self, name: str, recipe: Recipe = None) -> int | None:
-        """None: known after the first pass, without downloading every shard twice."""
-        return None
+        """Samples of a cached shard from its header, as a local cache reads them: read in
+        place, by ranged reads of a few KiB (the ``.npy`` header, an ``.npz``'s directory and
+        its members' headers), never the shard's data; None if it is not cached. Remembered
+        per object until this process makes, evicts or refreshes it. A damaged object counts
+        as unknown here: producing it makes it again."""
+        path = self.fresh(name, recipe)
+        if path is None:
+            return None
+        with self._pins_lock:
+            known = self._sizes.get(path)
+        if known is not None:
+            return known
+        shown = self._shown(path)
+        try:
+            with storage_errors(shown, name, "reading the header of"):
+                with self.fs.open(path, "rb", block_size=HEADER_BLOCK) as fp:
+                    size = getattr(fp, "size", None)
+                    if size is None:
+                        size = fp.seek(0, os.SEEK_END)
+                        fp.seek(0)
+                    samples = inspect_file(fp, int(size), shown)[0].shape[0]
+        except FileNotFoundError:  # evicted since the lookup: unknown until made again
+            self.fs.invalidate_cache(path)
+            return None
+        except (CorruptShard, UnsafeShard) as exc:
+            logger.debug("size of %s unknown (%s): the shard is made again when produced",
+                         shown, exc)
+            return None
+        with self._pins_lock:
+            self._sizes[path] = samples
+        return samples
+
+    def _forget_size(self, path: str) -> None:
+        with self._pins_lock:
+            self._sizes.pop(path, None)
 
     def recorded_sizes(self) -> dict[str, dict]:
         """None recorded: ``gluon-stream generate`` fills local caches only."""
@@ -177,6 +217,7 @@ class RemoteShardCache(LocalShardCache):
         """Upload a finished temp file (then removed) after making room for it: (path, pin)."""
         suffix = os.path.splitext(tmp)[1]
         final = self._final(name, suffix)
+        self._forget_size(final)
         try:
             with self._room_for(name, os.path.getsize(tmp)):
                 with storage_errors(self._shown(final), name, "uploading to"):
@@ -207,6 +248,7 @@ class RemoteShardCache(LocalShardCache):
 
     def _remove(self, path: str) -> None:
         """Delete an object that may already be gone."""
+        self._forget_size(path)
         try:
             self.fs.rm(path)
         except FileNotFoundError:
