@@ -12,8 +12,8 @@ from ._version import __version__
 from .diagnosis import Diagnosis
 from .errors import (BatchTimeout, CorruptShard, LoaderClosed, SchemaMismatch, ShardError,
                      ShardTimeout, StreamError, UnsafeShard, WorkerDied)
-from .errors import (CacheFull, CommandNotFound, InvalidState, SizeUnknown, StaleShard,
-                     UnbatchableShard, UnsafeKey)
+from .errors import (CacheFull, CheckpointConflict, CommandNotFound, InvalidState,
+                     SizeUnknown, StaleShard, UnbatchableShard, UnsafeKey)
 from .loader import StreamLoader
 from .shardfile import inspect_shard, load_shard, write_shard
 from .sources import CommandSource, FileSource, FunctionSource, MixSource, Source
@@ -23,6 +23,7 @@ from .stream import EpochRun, Shard, ShardStream
 __all__ = [
     "BatchTimeout",
     "CacheFull",
+    "CheckpointConflict",
     "CommandNotFound",
     "CommandSource",
     "CorruptShard",

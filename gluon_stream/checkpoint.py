@@ -31,7 +31,8 @@ from typing import Any, Callable
 
 from ._utils import validate as _validate
 from ._mx import mxnet_available, import_mxnet
-from .errors import InvalidState
+from ._mx.estimator import fit_handlers
+from .errors import CheckpointConflict, InvalidState
 from .loader import StreamLoader
 from ._utils.files import remove_if_exists
 
@@ -255,12 +256,34 @@ class StreamCheckpoint(_checkpoint_handler_base()):  # type: ignore[misc]
         self.loader = loader
 
     def train_begin(self, estimator: Any, *args: Any, **kwargs: Any) -> None:
-        """Resume as ``CheckpointHandler`` does, then restore the loader from that checkpoint."""
+        """Resume as ``CheckpointHandler`` does, then restore the loader from that checkpoint.
+
+        Raises:
+            CheckpointConflict: another checkpoint handler is in the same ``fit`` (before
+                anything is loaded).
+        """
+        self._check_alone(estimator)
         super().train_begin(estimator, *args, **kwargs)
         if self.resume_from_checkpoint and self.trained_epoch >= 0:
             prefix = _ESTIMATOR_PREFIX.format(prefix=self.model_prefix, epoch=self.trained_epoch,
                                               batch=self.trained_batch)
             _restore_state(self.loader, os.path.join(self.model_dir, prefix + STATE_SUFFIX))
+
+    def _check_alone(self, estimator: Any) -> None:
+        """Refuse another ``CheckpointHandler`` (or StreamCheckpoint) in the same ``fit``: each
+        shortens a resumed run by the epochs or batches it finds trained (a 20-batch run resumed
+        after 10 would train 4, not 10), and its checkpoints carry no loader state."""
+        base = import_mxnet().gluon.contrib.estimator.CheckpointHandler
+        others = [h for h in fit_handlers(estimator) or () if h is not self and isinstance(h, base)]
+        if others:
+            named = ", ".join(f"{type(h).__name__}(model_dir={h.model_dir!r}, "
+                              f"model_prefix={h.model_prefix!r})" for h in others)
+            raise CheckpointConflict(
+                f"StreamCheckpoint(model_dir={self.model_dir!r}) shares Estimator.fit with "
+                f"{named}: each checkpoint handler shortens a resumed run by what it finds "
+                "trained, so the run would train less than asked, and only StreamCheckpoint "
+                "saves the loader's position. Remove the other handler: StreamCheckpoint takes "
+                "CheckpointHandler's arguments (save_best, monitor, max_checkpoints, periods)")
 
     def batch_end(self, estimator: Any, *args: Any, **kwargs: Any) -> Any:
         """Save as ``CheckpointHandler`` does; when it saved, save the loader's state beside."""

@@ -18,6 +18,7 @@ they resemble, so ``except ValueError`` or ``except TimeoutError`` keep working:
         LoaderClosed(RuntimeError)      a closed loader or stream was used
         UnsafeKey(ValueError)           a shard key unsafe as a file name or command argument
         InvalidState(ValueError)        a resume state that is malformed or from other settings
+        CheckpointConflict(ValueError)  another checkpoint handler beside a StreamCheckpoint
         SizeUnknown(TypeError)          len() or even_batches needs a shard size not known yet
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any, Sequence
 __all__ = [
     "BatchTimeout",
     "CacheFull",
+    "CheckpointConflict",
     "CommandNotFound",
     "CorruptShard",
     "InvalidState",
@@ -191,6 +193,12 @@ class CacheFull(ShardError):
 class InvalidState(StreamError, ValueError):
     """A ``load_state_dict`` state is malformed, or was saved by a loader with other settings,
     keys or epoch than this one: resuming from it would repeat or skip samples."""
+
+
+class CheckpointConflict(StreamError, ValueError):
+    """A :class:`~gluon_stream.StreamCheckpoint` shares an ``Estimator.fit`` with another
+    checkpoint handler: each would shorten what a resumed run trains, and only one writes the
+    loader's state. The message names the other handler."""
 
 
 class SizeUnknown(StreamError, TypeError):

@@ -426,6 +426,7 @@ def test_an_fsspec_cache_dir_counts_samples_after_the_first_pass(tmp_path):
         fs.rm("/gs-len", recursive=True)
 
 
+@pytest.mark.mxnet
 @pytest.mark.parametrize("columns", [1, 2], ids=["npy", "npz"])
 def test_an_fsspec_cache_dir_knows_sizes_from_headers_read_in_place(columns):
     """A fresh loader over an fsspec cache_dir holding every shard knows len() as a local

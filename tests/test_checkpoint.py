@@ -17,7 +17,7 @@ import mxnet as mx
 import numpy as np
 import pytest
 from mxnet import gluon
-from mxnet.gluon.contrib.estimator import BatchEnd, Estimator, EpochEnd
+from mxnet.gluon.contrib.estimator import BatchEnd, CheckpointHandler, Estimator, EpochEnd
 
 import gluon_stream as gs
 from _helpers import batch_ids, id_shards
@@ -211,6 +211,28 @@ def test_a_missing_or_foreign_loader_state_is_refused_naming_the_file(tmp_path):
     with pytest.raises(gs.InvalidState, match="no loader state") as info:
         fit(tmp_path, epochs=2, resume=True)
     assert path in str(info.value)
+
+
+@pytest.mark.parametrize("order", ["other first", "other after"])
+@pytest.mark.parametrize("other_kind", ["CheckpointHandler", "StreamCheckpoint"])
+def test_another_checkpoint_handler_in_the_same_fit_is_refused_naming_it(tmp_path, order,
+                                                                          other_kind):
+    """A 20-batch run resumed after 10 trained 4 more, not 10, silently: both handlers
+    shortened what was left. Now the fit refuses before any batch, naming the other one."""
+    periods = dict(epoch_period=None, batch_period=5)
+    first = fit(tmp_path, batches=20, stop_after=10, **periods)
+    assert len(first.batches) == 10
+    recorder = Recorder()
+    with make_loader() as loader, make_loader() as other_loader:
+        ckpt = gs.StreamCheckpoint(loader, str(tmp_path), resume_from_checkpoint=True, **periods)
+        other = (CheckpointHandler(str(tmp_path), resume_from_checkpoint=True, **periods)
+                 if other_kind == "CheckpointHandler" else
+                 gs.StreamCheckpoint(other_loader, str(tmp_path / "b"), **periods))
+        handlers = [other, ckpt, recorder] if order == "other first" else [ckpt, other, recorder]
+        named = rf"{other_kind}\(model_dir='{tmp_path}{'' if other_kind == 'CheckpointHandler' else '/b'}'"
+        with pytest.raises(gs.CheckpointConflict, match=named + r".*Remove the other handler"):
+            estimator().fit(loader, batches=20, event_handlers=handlers)
+    assert recorder.batches == []
 
 
 def test_stream_checkpoint_checks_its_arguments(tmp_path):

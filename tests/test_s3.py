@@ -82,6 +82,7 @@ def test_file_source_reads_s3_urls(s3):
 
 # -- sizes of a filled s3:// cache_dir ----------------------------------------------------------
 
+@pytest.mark.mxnet
 @pytest.mark.parametrize("columns", [1, 2], ids=["npy", "npz"])
 def test_len_of_a_fresh_loader_over_a_filled_s3_cache_dir_reads_the_headers(s3, columns):
     """len() raised SizeUnknown over an s3:// cache_dir holding every shard, while the same
