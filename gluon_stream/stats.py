@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 from .diagnosis import Diagnosis, LoaderSettings, diagnose
 from .records import EpochRecord, ShardRecord
@@ -109,6 +109,7 @@ class Stats:
         self.epochs: collections.deque[EpochRecord] = collections.deque(maxlen=MAX_EPOCH_RECORDS)
         self.spans: collections.deque[Span] = collections.deque(maxlen=MAX_SPANS)
         self.totals_produced = ShardTotals()
+        self._delivered: dict[str, int] = {}  # samples the loop received, per MixSource source
         self.settings: LoaderSettings | None = None  # what the loader runs with (describe)
         self._lock = threading.Lock()
 
@@ -124,6 +125,13 @@ class Stats:
         with self._lock:
             self.shards.append(record)
             self.totals_produced.add(record)
+
+    def add_delivered(self, per_source: Mapping[str, int]) -> None:
+        """Record samples a batch handed to the loop, per source of a MixSource."""
+        if per_source:
+            with self._lock:
+                for name, samples in per_source.items():
+                    self._delivered[name] = self._delivered.get(name, 0) + samples
 
     def new_epoch(self, epoch: int) -> EpochRecord:
         """Start and return the record of a new pass."""
@@ -150,19 +158,21 @@ class Stats:
         return sum(e.skipped_shards for e in self.epochs)
 
     def per_source(self) -> dict[str, int]:
-        """Samples of the shards delivered, per source of a :class:`~gluon_stream.MixSource`,
-        in name order; counted over every shard, also beyond the records kept. Empty when the
-        source is not a mix.
+        """Samples the training loop received, per source of a :class:`~gluon_stream.MixSource`,
+        in name order, over every batch (also beyond the records kept): not the samples of the
+        shards produced (those made ahead, or the rest of the shard an epoch stopped in, count
+        in :attr:`totals_produced` and the summary's lines per source). Empty when the source
+        is not a mix.
 
         Example:
             >>> stats = Stats()
-            >>> stats.add_shard(ShardRecord(("old", 3), 0, samples=10, source="old"))
-            >>> stats.add_shard(ShardRecord(("new", 1), 0, samples=30, source="new"))
+            >>> stats.add_delivered({"old": 10, "new": 30})
+            >>> stats.add_delivered({"old": 4})
             >>> stats.per_source()
-            {'new': 30, 'old': 10}
+            {'new': 30, 'old': 14}
         """
         with self._lock:
-            return dict(sorted(self.totals_produced.source_samples.items()))
+            return dict(sorted(self._delivered.items()))
 
     def span_list(self) -> list[Span]:
         """A consistent copy of the spans recorded so far (oldest first)."""

@@ -316,7 +316,10 @@ def test_stats_count_samples_per_source_and_the_summary_shows_a_line_each():
     stats.add_shard(ShardRecord(("new", 1), 0, samples=10, source="new"))
     stats.add_shard(ShardRecord(("old", 2), 0, samples=20, source="old"))
     stats.add_shard(ShardRecord(("new", 2), 0, error="ShardError: boom"))
-    assert stats.per_source() == {"new": 10, "old": 50}
+    assert stats.per_source() == {}  # produced, not yet received by the loop
+    stats.add_delivered({"old": 4})
+    stats.add_delivered({"old": 2, "new": 2})
+    assert stats.per_source() == {"new": 2, "old": 6}
     lines = stats.summary().splitlines()
     assert lines[-2:] == ["source new: 1 shards, 10 samples (16.7%)",
                           "source old: 2 shards, 50 samples (83.3%)"]
@@ -341,6 +344,54 @@ def test_a_loader_counts_each_sources_samples():
         assert loader.stats.per_source() == expected
         assert "source a: 6 shards" in loader.stats.summary()
     assert sum(map(len, got)) == sum(expected.values())
+
+
+def received(batches) -> dict:
+    """Samples per source in batches the loop received (b's ids are 100000 and up)."""
+    out = {"a": 0, "b": 0}
+    for ids in batches:
+        for i in ids:
+            out["b" if i >= 100_000 else "a"] += 1
+    return {k: v for k, v in out.items() if v}
+
+
+@pytest.mark.mxnet
+@pytest.mark.parametrize("kw, stop_after", [
+    ({}, 3),  # a loop that breaks: shards produced ahead were not received
+    ({"samples_per_epoch": 11}, None),  # epochs stop inside a shard
+    ({"shuffle": True, "seed": 2, "shuffle_window": 2}, 5),  # batches mix both sources
+    ({"last_batch": "discard"}, None),  # the tail is dropped
+    ({"batchify_fn": None, "num_workers": 1}, 4),  # per-sample work in a worker process
+    ({"even_batches": True, "num_parts": 2, "part_index": 1}, None),
+], ids=["break", "samples_per_epoch", "shuffle_window", "discard", "processes", "even"])
+def test_per_source_counts_the_samples_the_loop_received(kw, stop_after):
+    """per_source() counted the samples of every shard produced (the shard an epoch stops in,
+    shards made ahead): 28/21 where the loop had 11/7."""
+    if "batchify_fn" in kw:
+        import mxnet as mx
+        kw = dict(kw, batchify_fn=mx.gluon.data.dataloader.default_batchify_fn)
+    with gs.StreamLoader(mix(), batch_size=4, prefetch=3, **kw) as loader:
+        got = epoch_batch_ids(loader, 2, stop_after=stop_after)
+        assert loader.stats.per_source() == received(got)
+    assert received(got)
+
+
+@pytest.mark.mxnet
+@pytest.mark.parametrize("window", [1, 2])
+def test_per_source_of_a_resumed_loader_counts_its_carried_samples_too(window):
+    def make():
+        return gs.StreamLoader(mix(), batch_size=5, shuffle=True, seed=3, shuffle_window=window,
+                               last_batch="rollover")
+    with make() as first:
+        head = epoch_batch_ids(first, 1)
+        state = first.state_dict()  # epoch 1, opened by the samples epoch 0 rolled over
+    assert state["carry"]
+    with make() as resumed:
+        resumed.load_state_dict(state)
+        rest = epoch_batch_ids(resumed, 2, start_epoch=1)
+        assert resumed.stats.per_source() == received(rest)
+    with make() as whole:
+        assert epoch_batch_ids(whole, 2) == head + rest
 
 
 @pytest.mark.mxnet

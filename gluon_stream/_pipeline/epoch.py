@@ -21,7 +21,7 @@ from .._utils.random import batch_seed
 from .batching import Batch, BatchPlanner, Position, Segment, WindowMixer
 from .contracts import BatchPath
 from ..errors import InvalidState, StreamError
-from .feed import Carry, MixedData, UnitFeed, WindowFeed
+from .feed import Carry, MixedData, UnitFeed, UnitSources, WindowFeed
 from .._utils.progress import ProgressBar
 from .state import LoaderState
 from ..records import EpochRecord
@@ -314,6 +314,8 @@ class EpochPass:
             clock.arrived(planned)
             record.batches += 1
             record.samples += planned.size
+            stream.stats.add_delivered(carry.sources.count(planned.segments))
+            carry.sources.forget_before(planned.after)
             delivered += 1
             after = planned.after
             if even is not None:
@@ -352,6 +354,7 @@ class EpochPass:
             batch = pad_rows(batch, self.settings.batch_size)
         record.batches += 1
         record.samples += final.size
+        self.stream.stats.add_delivered(carry.sources.count(final.segments))
         delivered += 1
         if self.even is not None:
             self.even.delivered(final, batch, delivered - 1)
@@ -437,16 +440,17 @@ class EpochPass:
     def _rebuild_carry(self, segments: Sequence[Segment],
                        skipped: Sequence[tuple[int, int]]) -> Carry:
         carry = Carry()
-        for seg, chunk in zip(segments, self._rebuild(segments, skipped)):
+        for seg, chunk in zip(segments, self._rebuild(segments, skipped, carry.sources)):
             carry.add(seg, chunk)
         return carry
 
-    def _rebuild(self, segments: Sequence[Segment],
-                 skipped: Sequence[tuple[int, int]]) -> list[tuple]:
-        """The rows of ``segments``, cut from their units produced again (a resume)."""
+    def _rebuild(self, segments: Sequence[Segment], skipped: Sequence[tuple[int, int]],
+                 sources: UnitSources | None = None) -> list[tuple]:
+        """The rows of ``segments``, cut from their units produced again (a resume); their
+        samples' sources noted in ``sources``."""
         chunks = []
         for seg in segments:
-            unit = self._unit_again(seg, skipped)
+            unit = self._unit_again(seg, skipped, sources)
             if seg.stop > len(unit):
                 raise InvalidState(
                     f"the state holds rows {seg.start}..{seg.stop - 1} of {_unit_name(seg)} of "
@@ -455,14 +459,19 @@ class EpochPass:
             chunks.append(self.path.cut(unit, seg))
         return chunks
 
-    def _unit_again(self, seg: Segment, skipped: Sequence[tuple[int, int]]) -> Any:
-        """Unit ``seg.unit`` of epoch ``seg.epoch``, produced again."""
+    def _unit_again(self, seg: Segment, skipped: Sequence[tuple[int, int]],
+                    sources: UnitSources | None = None) -> Any:
+        """Unit ``seg.unit`` of epoch ``seg.epoch``, produced again (its samples' sources
+        noted in ``sources``)."""
         stream, window = self.stream, self.settings.window
         keys = stream.epoch_keys(seg.epoch)[2]
         prepare = self.path.prepare
         if window == 1:
             key = keys[seg.unit] if keys is not None and seg.unit < len(keys) else seg.key
-            return stream.produce_now(key, seg.epoch, prepare)
+            shard = stream.produce_now(key, seg.epoch, prepare)
+            if sources is not None:
+                sources.shard(seg.epoch, seg.unit, shard)
+            return shard
         if keys is None:
             raise InvalidState("a state that holds samples of a mixed unit of an endless key "
                                "iterator cannot be resumed: its shards cannot be named again")
@@ -480,7 +489,10 @@ class EpochPass:
                                f"{seg.epoch}, which does not exist: the keys changed")
         used = {j: shards[j] for j in set(unit.shards.tolist())}
         newest = shards.get(seg.unit)
-        return self.path.mix(MixedData(unit, used, newest.key if newest else None))
+        mixed = MixedData(unit, used, newest.key if newest else None)
+        if sources is not None:
+            sources.mixed(seg.epoch, mixed)
+        return self.path.mix(mixed)
 
 
 def _unit_name(seg: Segment) -> str:

@@ -23,7 +23,7 @@ from ..errors import LoaderClosed
 from ..records import EpochRecord
 from ..stream import EpochRun, Shard
 
-__all__ = ["Carry", "FeedState", "MixedData", "UnitFeed", "WindowFeed"]
+__all__ = ["Carry", "FeedState", "MixedData", "UnitFeed", "UnitSources", "WindowFeed"]
 
 
 class Carry:
@@ -31,11 +31,14 @@ class Carry:
 
     Chunks are tuples of arrays (copies of the carried rows: NDArrays on the vectorised path,
     numpy arrays on the per-sample path), so a small leftover never keeps its shard alive.
+    :attr:`sources` goes along with it from pass to pass: which source the units' samples,
+    carried ones included, came from.
     """
 
     def __init__(self) -> None:
         self.chunks: list[tuple] = []
         self.segments: list[Segment] = []
+        self.sources = UnitSources()
 
     def add(self, segment: Segment, chunk: tuple) -> None:
         self.segments.append(segment)
@@ -47,6 +50,53 @@ class Carry:
 
     def __len__(self) -> int:
         return sum(s.size for s in self.segments)
+
+
+class UnitSources:
+    """Which source of a :class:`~gluon_stream.MixSource` each sample of a unit came from, per
+    ``(epoch, unit)``, from when the unit is handed out until no batch reads it any more: what
+    ``stats.per_source()`` counts of the batches the loop receives. Empty for a source used
+    alone (its shards name no source)."""
+
+    def __init__(self) -> None:
+        # a unit's source name, or (the shard position of each row, {position: source name})
+        self._units: dict[tuple[int, int], Any] = {}
+
+    def shard(self, epoch: int, unit: int, shard: Shard) -> None:
+        name = _source(shard)
+        if name is not None:
+            self._units[(epoch, unit)] = name
+
+    def mixed(self, epoch: int, data: "MixedData") -> None:
+        names = {j: _source(shard) for j, shard in data.shards.items()}
+        if any(name is not None for name in names.values()):
+            self._units[(epoch, data.index)] = (data.unit.shards, names)
+
+    def count(self, segments: Iterator[Segment] | tuple[Segment, ...]) -> dict[str, int]:
+        """Samples per source in ``segments`` (of units handed out and not forgotten)."""
+        out: dict[str, int] = {}
+        for seg in segments:
+            entry = self._units.get((seg.epoch, seg.unit))
+            if isinstance(entry, str):
+                out[entry] = out.get(entry, 0) + seg.size
+            elif entry is not None:
+                positions, counts = np.unique(entry[0][seg.start:seg.stop], return_counts=True)
+                for j, n in zip(positions.tolist(), counts.tolist()):
+                    name = entry[1].get(j)
+                    if name is not None:
+                        out[name] = out.get(name, 0) + n
+        return out
+
+    def forget_before(self, position: Position) -> None:
+        """No batch reads units before ``position``'s unit or its carried segments any more."""
+        first = min([(position.epoch, position.unit)]
+                    + [(s.epoch, s.unit) for s in position.carry])
+        for unit in [u for u in self._units if u < first]:
+            del self._units[unit]
+
+
+def _source(shard: Shard) -> str | None:
+    return shard.record.source if shard.record is not None else None
 
 
 class _EpochEnd:
@@ -156,6 +206,7 @@ class UnitFeed:
             if self.state is not FeedState.ENDED:
                 self._end()
             return None
+        self.carry.sources.shard(self.run.epoch, shard.index, shard)
         return shard, self.planner.add(shard.index, len(shard), key=shard.key)
 
     def _end(self, closes: bool | None = None) -> None:
@@ -271,6 +322,7 @@ class WindowFeed(UnitFeed):
         for unit in units:
             shards = {j: self._shards[j] for j in np.unique(unit.shards).tolist()}
             newest = self._shards.get(unit.index)
-            self._units.append((unit, self.path.mix_later(
-                MixedData(unit, shards, newest.key if newest else None))))
+            mixed = MixedData(unit, shards, newest.key if newest else None)
+            self.carry.sources.mixed(self.run.epoch, mixed)  # before mixing lets go of them
+            self._units.append((unit, self.path.mix_later(mixed)))
 
