@@ -71,6 +71,22 @@ def test_float_weights_count_as_the_decimals_written():
     assert src.counts == {"a": 7, "b": 3}
 
 
+@pytest.mark.parametrize("a, b", [(np.float32(0.7), 0.3), (np.float16(0.7), np.float32(0.3)),
+                                  (np.float64(0.7), np.float32(0.3))],
+                         ids=["float32", "float16", "float64"])
+def test_numpy_float_weights_count_as_written_too(a, b):
+    """np.float32(0.7) took 7/3 but warned 'pass a multiple of 999999988079071': its binary
+    value was read, not the 0.7 the user wrote."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        src = mix(weights={"a": a, "b": b}, shards_per_epoch=10)
+    assert src.counts == {"a": 7, "b": 3}
+    with pytest.warns(UserWarning, match=r"multiple of 10 for exact"):
+        mix(weights={"a": a, "b": b}, shards_per_epoch=9)
+    with pytest.raises(TypeError, match=r"weights\['a'\] must be a number above 0"):
+        mix(weights={"a": np.bool_(True), "b": b})
+
+
 def test_inexact_counts_warn_with_the_counts_taken_and_the_fix():
     with pytest.warns(UserWarning, match=r"a 2, b 3 shards every epoch .* 1.67, 3.33.* "
                                          r"multiple of 3"):

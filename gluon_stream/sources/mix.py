@@ -130,7 +130,9 @@ class MixSource(Source):
             be a list, or a callable ``keys(epoch)`` returning one (an endless iterator cannot
             be cycled), and hold at least one key.
         weights: ``{name: weight}`` for every source, each a finite number above 0 (only
-            ratios count); None: equal weights.
+            ratios count); None: equal weights. A float counts as the decimal written: the
+            shortest one that gives it back in its own precision (``0.7`` and
+            ``np.float32(0.7)`` are both 7/10).
         shards_per_epoch: Shards per epoch, of all sources together: at least enough that every
             source gets one. Counts are exact when it is a multiple of the sum of the weights
             (as integers); otherwise a warning names the counts taken every epoch.
@@ -345,13 +347,23 @@ def _weight(name: str, value: Any) -> Fraction:
     if isinstance(value, numbers.Rational):
         exact = Fraction(int(value.numerator), int(value.denominator))
     elif math.isfinite(float(value)):
-        exact = Fraction(repr(float(value)))  # 0.7 is 7/10, as written, not its binary value
+        exact = _as_written(value)
     else:
         raise ValueError(f"weights[{name!r}] must be a finite number above 0, got {value!r}")
     if exact <= 0:
         raise ValueError(f"weights[{name!r}] must be a number above 0, got {value!r}; leave a "
                          "source out of the mix rather than weigh it 0")
     return exact
+
+
+def _as_written(value: Any) -> Fraction:
+    """A float as the decimal it was written as: the shortest decimal that gives the same
+    number back in the float's own precision (Python's ``repr`` for a float, numpy's for its
+    float32 or float16). So ``0.7`` and ``np.float32(0.7)`` are both 7/10, not the binary value
+    each stores (float32's 0.699999988079071...)."""
+    if isinstance(value, np.floating):
+        return Fraction(np.format_float_positional(value, unique=True, trim="-"))
+    return Fraction(repr(float(value)))
 
 
 def _check_counts(weights: Mapping[str, Fraction], counts: Mapping[str, int], total: int) -> None:
