@@ -321,6 +321,8 @@ class ShardStream(Closing):
                 shard = run.next_shard()
                 if shard is None:
                     break
+                if shard.record is not None and shard.record.source is not None:
+                    self.stats.add_delivered({shard.record.source: len(shard)})  # whole shards
                 yield shard
                 del shard
         finally:

@@ -392,6 +392,16 @@ def test_per_source_counts_the_samples_the_loop_received(kw, stop_after):
     assert received(got)
 
 
+def test_per_source_of_a_shard_stream_counts_the_shards_its_loop_took():
+    with gs.ShardStream(mix(), prefetch=3) as stream:
+        taken = []
+        for shard in stream:
+            taken.append(shard.arrays[0].tolist())
+            if len(taken) == 2:
+                break
+        assert stream.stats.per_source() == received(taken)
+
+
 @pytest.mark.mxnet
 @pytest.mark.parametrize("window", [1, 2])
 def test_per_source_of_a_resumed_loader_counts_its_carried_samples_too(window):
