@@ -118,3 +118,31 @@ def test_a_state_from_the_same_process_still_resumes_in_a_new_loader():
     expected = list(itertools.islice(iter(reference), 6))[5]
     reference.close()
     assert np.array_equal(first.asnumpy(), expected.asnumpy())
+
+
+@pytest.mark.parametrize("part", [0, 1])
+def test_each_rank_of_endless_keys_resumes_in_a_new_loader(part):
+    """Ranks deal an endless iterator's keys by stride: a rank's resumed pass draws the
+    iterator again up to its own position."""
+    def make():
+        return gs.StreamLoader(gs.FunctionSource((f"k{i}" for i in itertools.count()), shard),
+                               batch_size=8, samples_per_epoch=60, num_parts=2, part_index=part,
+                               even_batches=True)
+    first = make()
+    head, state = [], None
+    for epoch in range(3):
+        first.set_epoch(epoch)
+        for batch in first:
+            head.append(batch.asnumpy().tolist())
+            if epoch == 1 and state is None and len(head) > 9:
+                state, mark = first.state_dict(), len(head)
+    first.close()
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = []
+    for epoch in range(resumed.epoch, 3):
+        resumed.set_epoch(epoch)
+        rest += [b.asnumpy().tolist() for b in resumed]
+    resumed.close()
+    assert state["unit"] > 5 and rest == head[mark:]
+    assert {i // 100 % 2 for b in head for i in b} == {part}  # its stride of the keys
