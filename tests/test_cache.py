@@ -249,6 +249,78 @@ def test_cache_limit_in_bytes_and_bad_values(tmp_path):
     assert sum(sizes) <= 3500 and len(sizes) == 3
 
 
+def on_disk(cache) -> int:
+    """Shards in ``cache`` with the ones being written: published and temp ``.npy`` files."""
+    return sum(1 for f in os.listdir(cache) if f.endswith((".npy", ".npz")))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("limit, ahead", [(5, "auto"), (5, 1), ("4000B", 2)])
+def test_cache_limit_counts_the_shards_being_made(tmp_path, limit, ahead):
+    """Room is made before a generation starts, so the directory never holds more than the
+    limit, temp files of shards being made included (was: 5 published + 1 being made).
+    Watched as generations start (the shards already there plus the calls under way, whose
+    temp files are about to appear) and by a thread polling the directory."""
+    cache, lock = tmp_path / "cache", threading.Lock()
+    cache.mkdir()
+    state = {"making": 0, "peak": 0, "seen": 0}
+    most = 5 if isinstance(limit, int) else 3  # a ~1.1 kB shard: 3 fit in 4000 B
+
+    def note(count):
+        with lock:
+            state["peak"] = max(state["peak"], count)
+
+    def make(key):
+        with lock:
+            state["making"] += 1
+            making = state["making"]
+        note(on_disk(cache) + making)
+        time.sleep(0.01)  # generation: the others' reservations are counted meanwhile
+        with lock:
+            state["making"] -= 1
+        return np.full(1000, key % 250, np.uint8)
+
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            note(on_disk(cache))
+            state["seen"] += 1
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=watch, name="gluon_stream-test-watcher")
+    watcher.start()
+    try:
+        src = gs.FunctionSource(range(40), make, cache_dir=cache, cache_limit=limit)
+        with gs.ShardStream(src, prefetch=2, producers=2, generate_ahead=ahead) as stream:
+            got = [int(shard.arrays[0][0]) for shard in stream]
+    finally:
+        done.set()
+        watcher.join(JOIN_S)
+    assert got == [k % 250 for k in range(40)]  # nothing lost while shards came and went
+    assert state["seen"] > 10 and 0 < state["peak"] <= most, state
+    assert on_disk(cache) <= most and not [f for f in os.listdir(cache) if f.startswith(".")]
+
+
+def test_a_reservation_is_counted_by_every_generation_until_published(tmp_path):
+    """A shard being made holds its room: with cache_limit=2, one shard cached and one being
+    made, the next generation evicts the cached one first (it could not fit beside both)."""
+    cache = LocalShardCache(tmp_path, lock_timeout=30, limit=2)
+    cache.get_or_create("a", maker(cache, "a"))
+    seen = {}
+
+    def make_b():
+        seen["during b"] = sorted(os.listdir(tmp_path))
+        cache.get_or_create("c", maker(cache, "c"))  # another key, made while b is
+        seen["after c"] = cached(tmp_path)
+        return gs.write_shard(cache.temp_path("b", ".npy"), np.zeros(3))
+
+    cache.get_or_create("b", make_b)
+    assert len([f for f in seen["during b"] if f.endswith(cache_local.RESERVATION)]) == 1
+    assert seen["after c"] == ["c.npy"]  # a went before c was made: b's room was held
+    assert cached(tmp_path) == ["b.npy", "c.npy"] and hidden_files(tmp_path) == []
+
+
 def maker(cache, name, size=3):
     """A ``create`` for ``cache``: writes a shard of ``size`` zeros to a temp file."""
     return lambda: gs.write_shard(cache.temp_path(name, ".npy"), np.zeros(size))

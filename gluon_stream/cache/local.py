@@ -18,10 +18,14 @@ of the old file keep their open copy) with a WARNING naming the change, or raise
 older version, copied without extended attributes) is served as it is, with one WARNING per
 cache; a file system without extended attributes gets one WARNING and no detection.
 
-With ``cache_limit``, room is made *before* a shard is published, under the eviction lock
-that every publishing process takes: the least recently used shards that nobody has pinned
-are evicted, then the new one is renamed into place, so the directory never holds more than
-the limit, whatever the number of producers and processes. A shard is pinned (a shared
+With ``cache_limit``, room is made *before* a shard is generated, under the eviction lock
+that every generating process takes (as MosaicML's streaming evicts before it downloads): the
+least recently used shards that nobody has pinned are evicted until the published shards, the
+ones being made and the new one fit, and a reservation (``.<key>.<pid>.<rand>.tmp.room``, an
+empty file) says that a shard is being made; at publication room is checked again with the
+shard's real size, then it is renamed into place and its reservation goes. So the directory
+never holds more than the limit, temp files included, whatever the number of producers and
+processes. A byte limit counts a shard being made as large as the largest shard seen so far. A shard is pinned (a shared
 ``flock``) while it is read, and from before it is published until its producer has read it.
 If every cached shard is pinned, the publisher waits for one to be released (they are held
 for the time of a read), at most ``lock_timeout``, then raises :class:`~gluon_stream.ShardError`
@@ -61,12 +65,13 @@ from .evict import CacheLimit, evict_if_unread, evict_lru
 from .lock import LOCK_SUFFIX, exclusive, remove_if_unheld
 from .recipe import describe_change, normalized, read_recipe, write_recipe
 
-__all__ = ["EVICT_LOCK", "FUTURE_SLACK_S", "LocalShardCache", "ON_CHANGE", "ROOM_POLL_S", "SUFFIXES",
-           "WAIT_SLICE_S"]
+__all__ = ["EVICT_LOCK", "FUTURE_SLACK_S", "LocalShardCache", "ON_CHANGE", "RESERVATION", "ROOM_POLL_S",
+           "SUFFIXES", "WAIT_SLICE_S"]
 
 logger = logging.getLogger(__name__)
 
 SUFFIXES = (".npy", ".npz")
+RESERVATION = ".room"  # suffix of the empty file that stands for a shard being made
 ROOM_POLL_S = 0.02  # how often a publisher waiting for room looks for a released shard
 EVICT_LOCK = "cache-evict"
 FUTURE_SLACK_S = 5.0  # a last-used time further ahead than this is a skewed clock or a backup
@@ -111,6 +116,8 @@ class LocalShardCache:
         self.closed = closed if closed is not None else threading.Event()
         self._told: set[str] = set()  # one-time log lines already written
         self._told_lock = threading.Lock()
+        self._largest = 0  # bytes of the largest shard seen: what a shard being made may take
+        self._reserved: dict[str, str] = {}  # key -> its reservation, while this process makes it
         self.read_only = not os.access(self.root, os.W_OK)
         if self.read_only:
             self._tell_once("read-only", logging.INFO, "cache_dir %s is read-only: serving the "
@@ -383,19 +390,46 @@ class LocalShardCache:
                 pin = self._pin(path)
                 if pin is not None:
                     return path, True, pin
-            tmp = create()
+            reservation = self._reserve(name)
             try:
-                if os.path.islink(tmp):
-                    raise UnsafeShard(f"shard {name!r}: the generator left a symlink at {tmp!r}; "
-                                      "gluon_stream does not follow links in its cache. Write the "
-                                      "shard itself to the '{path}' argument", path=tmp)
-                if recipe is not None:
-                    self._record(tmp, recipe)
-                path, pin = self._publish(tmp, name)
-                return path, False, pin
-            except BaseException:
-                remove_if_exists(tmp)
-                raise
+                return self._create_reserved(name, create, recipe)
+            finally:
+                self._release(name, reservation)
+
+    def _create_reserved(self, name: str, create: Create,
+                         recipe: Recipe) -> tuple[str, bool, Any]:
+        """Make, record and publish the shard ``name`` (under its key's lock, room reserved)."""
+        tmp = create()
+        try:
+            if os.path.islink(tmp):
+                raise UnsafeShard(f"shard {name!r}: the generator left a symlink at {tmp!r}; "
+                                  "gluon_stream does not follow links in its cache. Write the "
+                                  "shard itself to the '{path}' argument", path=tmp)
+            if recipe is not None:
+                self._record(tmp, recipe)
+            path, pin = self._publish(tmp, name)
+            return path, False, pin
+        except BaseException:
+            remove_if_exists(tmp)
+            raise
+
+    def _reserve(self, name: str) -> str | None:
+        """With ``cache_limit``, make room for the shard ``name`` before it is made and leave a
+        reservation that other generations count until it is published; its path, or None."""
+        if not self.limit.bounded:
+            return None
+        with self._room_for(name, self._largest, replacing=False):
+            reservation = self.temp_path(name, RESERVATION)
+            with open(reservation, "x", encoding="utf-8"):
+                pass
+            self._reserved[name] = reservation
+            return reservation
+
+    def _release(self, name: str, reservation: str | None) -> None:
+        """Drop the reservation of ``name`` (published, or given up)."""
+        if reservation is not None:
+            self._reserved.pop(name, None)
+            remove_if_exists(reservation)
 
     @contextlib.contextmanager
     def _locked(self, name: str, timed_out: Callable[[], BaseException]) -> Iterator[None]:
@@ -453,14 +487,15 @@ class LocalShardCache:
             raise
 
     @contextlib.contextmanager
-    def _room_for(self, name: str, size: int) -> Iterator[None]:
+    def _room_for(self, name: str, size: int, replacing: bool = True) -> Iterator[None]:
         """With ``cache_limit``, hold the eviction lock with room made for one more shard of
-        ``size`` bytes, so what the with-block publishes keeps the cache within the limit."""
+        ``size`` bytes, so what the with-block publishes keeps the cache within the limit
+        (``replacing``: the shard then replaces a cached shard of the same key)."""
         if not self.limit.bounded:
             yield
             return
         with self._locked(EVICT_LOCK, lambda: self._lock_timeout_error(EVICT_LOCK)):
-            self._make_room(name, size)
+            self._make_room(name, size, replacing)
             yield
 
     def _place(self, tmp: str, name: str, suffix: str) -> str:
@@ -473,8 +508,9 @@ class LocalShardCache:
         return final
 
     # -- bounding the cache ------------------------------------------------------------------
-    def _make_room(self, name: str, size: int) -> None:
-        """Evict least recently used, unpinned shards until one more of ``size`` bytes fits.
+    def _make_room(self, name: str, size: int, replacing: bool = True) -> None:
+        """Evict least recently used, unpinned shards until one more of ``size`` bytes fits
+        beside the shards other generations are making (each counted as the largest seen).
 
         Called under the eviction lock. While every shard that would have to go is pinned,
         waits for one to be released, at most ``lock_timeout``.
@@ -482,11 +518,14 @@ class LocalShardCache:
         if self.limit.max_bytes is not None and size > self.limit.max_bytes:
             raise CacheFull(f"shard {name!r} is {size} bytes, more than cache_limit "
                              f"({self.limit}) allows in all; raise cache_limit", key=name)
-        replaced = {self._final(name, suffix) for suffix in SUFFIXES}  # this publish replaces
+        replaced = {self._final(name, suffix) for suffix in SUFFIXES} if replacing else set()
         deadline = time.monotonic() + self.lock_timeout
         while True:
             shards = [s for s in self._listing() if s[1] not in replaced]
-            if evict_lru(shards, self.limit, self._try_evict, incoming=(1, size)):
+            self._largest = max([self._largest, size] + [s[2] for s in shards])
+            making = self._reservations(besides=self._reserved.get(name))
+            incoming = (1 + making, size + making * self._largest)
+            if evict_lru(shards, self.limit, self._try_evict, incoming=incoming):
                 return
             if time.monotonic() >= deadline:
                 raise CacheFull(
@@ -501,6 +540,12 @@ class LocalShardCache:
                             self.lock_timeout)
             if self.closed.wait(ROOM_POLL_S):
                 raise LoaderClosed(f"closed while waiting for room for shard {name!r}")
+
+    def _reservations(self, besides: str | None) -> int:
+        """How many shards are being made here (by any process on this host), but ``besides``."""
+        with os.scandir(self.root) as entries:
+            return sum(1 for entry in entries if entry.name.endswith(TEMP_MARKER + RESERVATION)
+                       and entry.path != besides)
 
     def _where(self) -> str:
         """The cache's location, for messages."""
