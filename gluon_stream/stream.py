@@ -511,6 +511,7 @@ class EpochRun:
         self.last_wait_s = 0.0
         self.waits = 0  # times a shard was asked for before it was produced
         self.max_pending: int | None = None
+        self._handed = False  # a shard was handed out: the consumer holds one (see _window)
         self._lookahead: collections.deque = collections.deque()  # (key, index) drawn early
         self._ahead: dict[int, cf.Future] = {}  # index -> generation into the cache
         # the consumer fills the window; producers finishing a shard start generations ahead
@@ -672,11 +673,19 @@ class EpochRun:
         """Submit the first window of shards now (otherwise the first ``next_shard`` does)."""
         self._fill(self.stream.prefetch + 1)
 
+    def _window(self) -> int:
+        """Shards to keep submitted: ``prefetch + 1`` before the first is handed out, then
+        ``prefetch`` (at least the next one), before a shard is handed out as after: the
+        shard in use is alive until the next is handed out, so filling ``prefetch + 1`` while
+        the consumer held one kept a shard more than the memory bound counts."""
+        prefetch = self.stream.prefetch
+        return max(1, prefetch) if self._handed else prefetch + 1
+
     def ready(self) -> bool:
         """Whether :meth:`next_shard` would return without waiting for a producer."""
         if self.cancelled or self.stream.closed:
             return True
-        self._fill(self.stream.prefetch + 1)
+        self._fill(self._window())
         return not self.pending or self.pending[0][2].done()
 
     def has_shard(self) -> bool:
@@ -708,7 +717,7 @@ class EpochRun:
             stream.check_open()
             if self.cancelled:
                 raise LoaderClosed("this epoch pass was replaced by a newer one")
-            self._fill(stream.prefetch + 1)
+            self._fill(self._window())
             if not self.pending:
                 if self.key_error is not None:
                     error, self.key_error = self.key_error, None
@@ -719,6 +728,7 @@ class EpochRun:
             self._fill(stream.prefetch)
             shard = self._wait(key, index, fut)
             if shard is not None:
+                self._handed = True
                 return shard
 
     def _wait(self, key: Any, index: int, fut: cf.Future) -> Shard | None:

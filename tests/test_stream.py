@@ -1,12 +1,16 @@
 """ShardStream: shards in order with datasets, its settings, and skipping failed shards."""
 from __future__ import annotations
 
+import gc
+import threading
+import time
+
 import mxnet as mx
 import numpy as np
 import pytest
 
 import gluon_stream as gs
-from _helpers import batch_ids, id_shards
+from _helpers import batch_ids, id_shards, wait_for
 
 pytestmark = pytest.mark.mxnet  # these tests use MXNet: warm its engine first
 
@@ -271,3 +275,60 @@ def test_generate_ahead_auto_stays_within_a_cache_limit(tmp_path):
             assert s.generate_ahead == ahead, limit
     with stream(3, generate_ahead=5) as s:  # asked for: as given
         assert s.generate_ahead == 5
+
+
+# -- memory: the shards a pass holds (issue 25) ---------------------------------------------
+def _shards_alive(key) -> int:
+    """Shard objects of ``key`` that something still references."""
+    from gluon_stream.stream import Shard
+    return sum(1 for o in gc.get_objects() if isinstance(o, Shard) and o.key == key)
+
+
+def test_while_a_shard_is_in_use_only_prefetch_more_are_made():
+    """Asking whether the next shard is ready (the loop does at each shard's last batch) or
+    for the next shard must not start a shard beyond ``prefetch`` while one is in use: the
+    one in use is alive until the next is handed out (was: prefetch + 1 started, one shard
+    over the memory bound)."""
+    started, lock = [], threading.Lock()
+
+    def make(key):
+        with lock:
+            started.append(key)
+        return np.full(4, key, np.int64)
+
+    src = gs.FunctionSource(range(8), make)
+    with gs.ShardStream(src, prefetch=2, producers=3) as stream:
+        run = stream.start_epoch()
+        try:
+            for k in range(6):
+                shard = run.next_shard()
+                assert shard.key == k
+                wait_for(lambda: run.ready_ahead() == min(2, 7 - k),
+                         what="the window to be made")
+                assert run.ready()  # asked at the shard's last batch: starts nothing more
+                time.sleep(0.05)  # an idle producer would start shard k + 3 by now
+                with lock:
+                    assert max(started) == min(k + 2, 7), (k, started)  # k + 1, k + 2 ahead
+                del shard
+        finally:
+            run.cancel()
+
+
+def test_the_loader_lets_go_of_a_shard_before_waiting_for_the_next():
+    """While the loop waits for shard k + 1, nothing of the loader references shard k (was:
+    the feed kept the shard handed out last, a shard over the memory bound)."""
+    held = []
+
+    def make(key):
+        if key:  # the loop waits for this shard: shard key - 1 must be let go of meanwhile
+            deadline = time.monotonic() + 10
+            while _shards_alive(key - 1) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            held.append((key - 1, _shards_alive(key - 1)))
+        return np.full(8, key, np.float32)
+
+    loader = gs.StreamLoader(gs.FunctionSource(range(4), make), batch_size=8, prefetch=1,
+                             producers=1)
+    assert [float(b.asnumpy()[0]) for b in loader] == [0.0, 1.0, 2.0, 3.0]
+    assert held == [(0, 0), (1, 0), (2, 0)]
+    loader.close()

@@ -160,7 +160,7 @@ class UnitFeed:
         self.mix_wait_s = 0.0  # time spent waiting for a window's unit to be gathered
         self.samples = 0  # samples of the shards handed out
         self.full_sizes: dict[int, int] = {}  # their samples before ranks took their parts
-        self.current: Shard | None = None  # the shard handed out last
+        self.current: Shard | None = None  # the shard handed out last, if it may be pushed back
         self.names: tuple[str, ...] | None = None  # the arrays' names, where they have some
         self.state = FeedState.READING
 
@@ -189,7 +189,9 @@ class UnitFeed:
             self.shard_wait_s += self.run.last_wait_s
 
     def _accept(self, shard: Shard) -> None:
-        self.current = shard
+        # kept only where the run goes on past the epoch (samples_per_epoch pushes it back):
+        # otherwise it would keep the shard alive while the loop waits for the next one
+        self.current = None if self.closes else shard
         self.record.peak_prefetch = max(self.record.peak_prefetch, self.run.ready_ahead() + 1)
         self.samples += len(shard)
         self.full_sizes[shard.index] = shard.full_size
