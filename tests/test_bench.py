@@ -88,6 +88,21 @@ def test_bench_runs_end_to_end_and_json_has_every_contender_and_figure(tmp_path,
     assert "even_batches='pad'" in printed and "stats.diagnose()" in printed
     assert results["targets"] and all({"target", "value", "limit", "met"} <= set(t)
                                       for t in results["targets"])
+    ref = results["reference"]  # the machine's speed today, for comparing runs across days
+    assert ref["images_per_s"] > 0 and ref["images_per_cpu_s"] >= ref["images_per_s"] * 0.9
+    assert printed.startswith("reference rate") and f"{ref['images_per_s']:.0f} images/s" in printed
+
+
+def test_the_reference_rate_runs_a_fixed_workload_and_leaves_numpy_random_alone():
+    from gluon_stream.tools.bench.reference import reference_rate
+
+    np.random.seed(7)
+    expected = np.random.rand()
+    np.random.seed(7)
+    ref = reference_rate(images=20, repeats=3)
+    assert np.random.rand() == expected  # the augmentation's draws did not move the user's state
+    assert ref["repeats"] == 3 and "20 32x32x3 images" in ref["workload"]
+    assert ref["images_per_s"] > 0 and 0 < ref["cpu_share"] <= 1.5
 
 
 def test_bench_rejects_an_unknown_scenario(capsys):

@@ -46,6 +46,9 @@ batch onto its context, copying it itself or with ``ctx=`` (see :mod:`.placement
 mixes for windows of 1, 2, 4 and 8. ``features``: what ``even_batches='pad'``,
 ``samples_per_epoch`` and ``MixSource`` cost in speed, and a saved state and ``diagnose()`` in
 milliseconds (see :mod:`.features`).
+
+Every run first records the machine's single-process reference rate (see :mod:`.reference`),
+printed above the tables and stored as ``reference``, so runs on different days compare.
 """
 from __future__ import annotations
 
@@ -60,6 +63,7 @@ from .measure import make_step, measure_step
 from .memory import run_memory_scenario
 from .persample import PERSAMPLE_CONTENDERS, run_persample_scenario
 from .placement import run_placement_scenario
+from .reference import reference_rate
 from .pipeline import (PIPELINE_CONTENDERS, PIPELINE_SCENARIOS, calibrate_delay,
                        run_pipeline_scenario)
 from .report import format_results, targets
@@ -106,7 +110,8 @@ def run_bench(config: BenchConfig) -> dict:
     """Run the chosen scenarios; returns every raw figure and the targets (see the module doc)."""
     import_mxnet()
     base = config.workload
-    results: dict[str, Any] = {"argv": dict(config.argv)}
+    results: dict[str, Any] = {"argv": dict(config.argv), "reference": reference_rate()}
+    logger.info("reference rate: %.0f images/s", results["reference"]["images_per_s"])
     step_s = measure_step(base, make_step(base))
     if config.warmup:
         logger.info("warm-up pass")

@@ -101,6 +101,12 @@ def fmt(value: float | None, spec: str) -> str:
 def format_results(results: dict) -> str:
     """The human-readable tables of a bench run."""
     lines = []
+    ref = results.get("reference")
+    if ref:
+        lines.append(f"reference rate (this machine today; {ref['workload']}): "
+                     f"{ref['images_per_s']:.0f} images/s, {ref['images_per_cpu_s']:.0f} per CPU "
+                     f"second ({100 * ref['cpu_share']:.0f} % of a core); divide a figure by it "
+                     "to compare runs on different days")
     for scenario in PIPELINE_SCENARIOS:
         res = results.get(scenario)
         if not res:
