@@ -2,12 +2,22 @@
 ``mxnet`` (the pure-Python modules' tests run without it). Helpers live in ``_helpers``."""
 from __future__ import annotations
 
+import gc
 import signal
 import sys
 
 import pytest
 
 from _helpers import known_stats, leaks, snapshot
+
+
+def pytest_collection_finish(session):
+    """Move what collection imported (MXNet, numpy, hypothesis, the test modules) out of the
+    collector's reach: the leak check's ``gc.collect()`` after every test then walks only what
+    the tests made (a tenth of a second less per test). Frozen objects are still freed by
+    reference counting; only cycles among them, made before any test ran, stay."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")
@@ -24,6 +34,9 @@ def warm_mxnet():
                              num_workers=1)
     list(loader)
     loader.close()
+    del loader
+    gc.collect()
+    gc.freeze()  # what MXNet made at start, as pytest_collection_finish does
     yield
 
 
