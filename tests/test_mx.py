@@ -3,6 +3,7 @@ shared-memory files a dead worker leaves behind removed."""
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -32,21 +33,35 @@ print("released", flush=True)
 @pytest.mark.timeout(90)
 def test_ending_a_pool_whose_worker_died_holding_a_queue_lock_does_not_hang():
     """CPython gh-96995: Pool.terminate() blocks forever on the dead worker's lock (control);
-    release_dataloader ends the same pool at once."""
-    def run(ending, timeout):
-        proc = subprocess.Popen([sys.executable, "-c", _TERMINATE_HANG.format(ending=ending)],
+    release_dataloader ends the same pool at once. Both run side by side (one MXNet start to
+    wait for, not two), and the control is given 3 s to hang once its workers are killed."""
+    def start(ending):
+        return subprocess.Popen([sys.executable, "-c", _TERMINATE_HANG.format(ending=ending)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
+
+    def result(proc, timeout):
+        """What it printed, "hung" added if it had not exited ``timeout`` s after "killed"."""
+        ready, _, _ = select.select([proc.stdout], [], [], 60)  # MXNet's start, then the kill
+        first = [proc.stdout.readline().strip()] if ready else []
         try:
-            out, _ = proc.communicate(timeout=timeout)
-            return out.split()
+            proc.wait(timeout=timeout)  # its output is two short lines: no pipe fills up
+            hung = []
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate(timeout=JOIN_S)
-            return out.split() + ["hung"]
+            proc.wait(timeout=JOIN_S)
+            hung = ["hung"]
+        return first + proc.stdout.read().split() + hung
 
-    assert run("pool.terminate()", 6) == ["killed", "hung"]  # the bug is real here
-    assert run("mx_dataloader.release_dataloader(dl)", 60) == ["killed", "released"]
+    control, fixed = start("pool.terminate()"), start("mx_dataloader.release_dataloader(dl)")
+    try:
+        assert result(control, 3) == ["killed", "hung"]  # the bug is real here
+        assert result(fixed, 60) == ["killed", "released"]
+    finally:
+        for proc in (control, fixed):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=JOIN_S)  # reaped, its pipes closed
 
 
 def test_shared_memory_files_of_a_dead_worker_are_removed(tmp_path):

@@ -139,11 +139,16 @@ def test_after_a_batch_timeout_the_stuck_worker_is_replaced_and_the_next_epoch_w
 
 
 @pytest.mark.timeout(60)
-def test_ctrl_c_while_waiting_for_a_worker_batch_stops_at_once_and_the_pool_survives(sigint):
+def test_ctrl_c_while_waiting_for_a_worker_batch_stops_at_once_and_the_pool_survives(sigint,
+                                                                                     tmp_path):
     """Ctrl-C is sent every 0.1 s until the loop stops: Python itself swallows an interrupt that
-    lands inside a destructor (a batch's NDArray.__del__), which no library can prevent."""
+    lands inside a destructor (a batch's NDArray.__del__), which no library can prevent. The
+    samples are slow until the interrupt is over, then the same workers read the rest at once."""
+    interrupted = tmp_path / "interrupted"
+
     def slow(ids, half):
-        time.sleep(0.05)
+        if not interrupted.exists():  # seen by the workers (other processes)
+            time.sleep(0.05)
         return ids, half
 
     stop = threading.Event()
@@ -168,6 +173,7 @@ def test_ctrl_c_while_waiting_for_a_worker_batch_stops_at_once_and_the_pool_surv
             stop.set()
             interrupter.join(JOIN_S)
         elapsed = time.monotonic() - start
+        interrupted.touch()
         del it
         assert elapsed < 5.0  # 400 samples take 10 s: it stopped long before
         assert set(ld._path.workers.pids) == pids  # workers ignore SIGINT: still the same
