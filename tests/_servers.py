@@ -1,7 +1,8 @@
 """Real engines for the tests, each started by the test that uses it and stopped after it.
 
 * :func:`s3`: a moto S3 server on 127.0.0.1 (a child process; its port is the one it bound),
-  reached through s3fs with fake credentials. Nothing leaves the loopback interface.
+  reached through s3fs with fake credentials. Nothing leaves the loopback interface. The server
+  (:func:`moto_server`) is started once per test module and emptied after each test.
 * :func:`dead_s3`: the same settings pointing at a port where nothing listens.
 * :func:`dask_cluster`: a process-based ``dask.distributed.LocalCluster`` and its client.
 
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import urllib.request
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -75,12 +77,13 @@ def _use_env(monkeypatch: pytest.MonkeyPatch, env: dict) -> None:
         monkeypatch.setenv(name, value)
 
 
-@pytest.fixture
-def s3(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, warm_fsspec: None) -> Iterator[S3]:
-    """A moto S3 server on 127.0.0.1 for this test; AWS_* set here (children inherit them)."""
+@pytest.fixture(scope="module")
+def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A moto S3 server for the tests of one module (its start, a second or two, is paid once):
+    its endpoint. :func:`s3` empties it after each test; it stops after the module's last."""
     pytest.importorskip("moto.server")
     pytest.importorskip("s3fs")
-    log_path = tmp_path / "moto.log"
+    log_path = tmp_path_factory.mktemp("moto") / "moto.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-c", _MOTO], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=log)
@@ -89,14 +92,31 @@ def s3(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, warm_fsspec: None) -> Ite
         line = proc.stdout.readline()
         if not line.strip().isdigit():
             raise RuntimeError(f"moto server did not start: {log_path.read_text()[-2000:]}")
-        endpoint = f"http://127.0.0.1:{int(line)}"
-        env = s3_env(endpoint, tmp_path)
-        _use_env(monkeypatch, env)
-        _fresh_s3fs()
-        yield S3(endpoint, env)
+        yield f"http://127.0.0.1:{int(line)}"
+    finally:
+        _stop(proc)
+
+
+def _reset(endpoint: str) -> None:
+    """Delete every bucket and object the test made (moto's own reset endpoint)."""
+    request = urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")
+    with urllib.request.urlopen(request, timeout=JOIN_S) as response:
+        assert response.status == 200, response.status
+
+
+@pytest.fixture
+def s3(moto_server: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+       warm_fsspec: None) -> Iterator[S3]:
+    """The module's moto S3 server, empty, for this test; AWS_* set here (children inherit
+    them)."""
+    env = s3_env(moto_server, tmp_path)
+    _use_env(monkeypatch, env)
+    _fresh_s3fs()
+    try:
+        yield S3(moto_server, env)
     finally:
         _fresh_s3fs()
-        _stop(proc)
+        _reset(moto_server)
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from _helpers import known_stats, leaks, snapshot
+from _servers import moto_server  # noqa: F401  (fixture: the one `s3` of _servers asks for)
 
 
 # Not in the edit loop's subset (``python -m pytest -m fast``, about 90 s on 2 cores): the tests
