@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from test_examples import example, run
+from test_examples import example, help_of, run
 
 pytestmark = pytest.mark.mxnet
 
@@ -20,6 +20,6 @@ def test_estimator_checkpoint_resumes_exactly(tmp_path, argv, saved):
     assert not list(tmp_path.iterdir())  # its temporary directories are gone
 
 
-def test_estimator_checkpoint_help(tmp_path):
-    out = run([sys.executable, example("estimator_checkpoint.py"), "--help"], tmp_path)
+def test_estimator_checkpoint_help():
+    out = help_of("estimator_checkpoint.py")
     assert "--batch-period" in out and "StreamCheckpoint" in out

@@ -4,6 +4,7 @@ Each runs in a child process (its own MXNet, kernel and threads), bounded by a t
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -118,10 +119,41 @@ def test_resume_training_continues_with_the_batches_an_uninterrupted_run_sees(tm
 EXAMPLES = ["timeseries_lstm.py", "gluoncv_classification.py", "module_fit.py",
             "resume_training.py"]
 
+# Every example's --help in one interpreter (one MXNet import, not one per example): each runs
+# as ``python examples/NAME --help`` would run it (argv, sys.path[0], __main__), and exits.
+_HELPS = r"""
+import contextlib, io, json, os, runpy, sys
+out = {}
+for path in sys.argv[1:]:
+    sys.argv, sys.path[0] = [path, "--help"], os.path.dirname(path)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        try:
+            runpy.run_path(path, run_name="__main__")
+            code = "it did not exit"
+        except SystemExit as exc:
+            code = exc.code or 0
+    out[os.path.basename(path)] = [code, buf.getvalue()]
+sys.stdout.write(json.dumps(out))
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _helps() -> dict:
+    names = EXAMPLES + ["estimator_checkpoint.py"]
+    return json.loads(run([sys.executable, "-c", _HELPS, *map(example, names)], ROOT))
+
+
+def help_of(name: str) -> str:
+    """What ``python examples/NAME --help`` prints; it must exit with 0."""
+    code, out = _helps()[name]
+    assert code == 0, f"{name} --help: exit {code}\n{out[-3000:]}"
+    return out
+
 
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_examples_have_help_for_every_option_and_tiny(name):
-    out = run([sys.executable, example(name), "--help"], ROOT)
+    out = help_of(name)
     options = re.split(r"\n(?:options|optional arguments):\n", out, 1)[1]  # 3.10+, 3.9
     blocks = re.split(r"\n(?=  -)", options.strip("\n"))
     helps = {b.split()[0].rstrip(","): re.match(r"\s*(-.*?)(\s{2,}|$)(.*)",
