@@ -163,15 +163,25 @@ def test_examples_have_help_for_every_option_and_tiny(name):
 
 
 def test_gluoncv_example_without_gluoncv_has_help_and_names_the_extra(tmp_path):
-    def run_blocked(*argv):
+    def start_blocked(*argv):
         code = ("import runpy, sys; sys.modules['gluoncv'] = None; "
                 f"sys.argv = [{example('gluoncv_classification.py')!r}, *{list(argv)!r}]; "
                 "runpy.run_path(sys.argv[0], run_name='__main__')")
-        return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=TIMEOUT_S)
+        return subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
-    helped = run_blocked("--help")
+    def finished(proc):
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    started = [start_blocked("--help"), start_blocked("--tiny")]  # side by side: one wait
+    try:
+        helped, refused = map(finished, started)
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     assert helped.returncode == 0 and "--tiny" in helped.stdout, helped.stderr[-2000:]
-    refused = run_blocked("--tiny")
     assert refused.returncode == 1
     assert refused.stderr.strip().endswith("pip install 'gluon_stream[examples]'"), refused.stderr
