@@ -10,6 +10,7 @@ Importing gluon_stream does not import MXNet: that happens on first use (a loade
 from ._mx import import_mxnet
 from ._version import __version__
 from .diagnosis import Diagnosis
+from .elastic import merge_states
 from .errors import (BatchTimeout, CorruptShard, LoaderClosed, SchemaMismatch, ShardError,
                      ShardTimeout, StreamError, UnsafeShard, WorkerDied)
 from .errors import (CacheFull, CheckpointConflict, CommandNotFound, InvalidState,
@@ -59,6 +60,7 @@ __all__ = [
     "inspect_shard",
     "load_checkpoint",
     "load_shard",
+    "merge_states",
     "write_shard",
 ]
 

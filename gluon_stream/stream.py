@@ -32,13 +32,14 @@ from ._utils.lifecycle import check_owner, track
 from ._utils.random import key_hash, seeded_rng
 from ._mx import import_mxnet
 from ._utils.distributed import resolve_parts
-from .errors import LoaderClosed, SchemaMismatch, add_note
+from .errors import InvalidState, LoaderClosed, SchemaMismatch, add_note
 from ._utils.retry import ErrorPolicy, OnError, is_permanent
 from ._utils.columns import names_of, normalize_arrays
 from .sources import RawShard, Source
-from ._pipeline.sizes import ShardSizes
-from ._pipeline.keys import KeyTape
+from ._pipeline.sizes import ShardSizes, part_rows
+from ._pipeline.keys import KeyTape, part_keys
 from ._pipeline.producers import ProducerPool, Throttle
+from ._pipeline.remainder import Remainder
 from .records import ShardRecord
 from .stats import Stats
 
@@ -188,9 +189,11 @@ class ShardStream(Closing):
         self._next_run: EpochRun | None = None
         self.keep_keys = False  # keep an endless iterator's keys (samples_per_epoch restarts)
         self._tapes: dict[tuple[int, int], KeyTape] = {}
+        #: an elastic resume: the rest of the interrupted epoch, read in place of its keys
+        self.remainder: Remainder | None = None
         #: what is known of the shards' sizes without producing them (len, even_batches)
         self.sizes = ShardSizes(source, transform, shard_sizes, self.deal, self.num_parts,
-                                self.part_index, self.epoch_keys)
+                                self.part_index, self.epoch_keys, self.remainder_of)
         caches = bool(getattr(source, "cached", False)) and self._remote is None
         if generate_ahead == "auto":
             self.generate_ahead = 2 * (prefetch + 1) if caches else 0
@@ -250,8 +253,28 @@ class ShardStream(Closing):
         if self.seed_given:
             raise ValueError(f"this stream was given seed={self.seed}; it keeps it")
         self.seed = _validate.integer("seed", seed)
+        self._drop_runs()
+
+    def set_remainder(self, remainder: Remainder | None) -> None:
+        """Read ``remainder`` in place of its epoch's keys (an elastic resume; None: the keys)."""
+        if remainder is not self.remainder:
+            self.remainder = remainder
+            self._drop_runs()
+
+    def dealt_keys(self, epoch: int, parts: int, part: int, deal: str,
+                   seed: int | None = None) -> list:
+        """Part ``part`` of ``parts``' shard order in ``epoch`` as a job of ``parts`` ranks dealt
+        it (with this stream's keys and shuffle; ``seed``: another seed than the stream's)."""
+        keys, finite = self.source.keys_for_epoch(epoch)
+        if not finite:
+            raise InvalidState("an elastic resume needs the keys as a list (or keys(epoch) "
+                               "returning one): an endless iterator cannot be dealt again")
+        return part_keys(list(keys), self.seed if seed is None else seed, epoch, parts, part,
+                         self.shuffle, deal)
+
+    def _drop_runs(self) -> None:
         self._next_run = None
-        for run in list(self._res.runs):  # shards made ahead with the old seed's order
+        for run in list(self._res.runs):  # shards made ahead in another order
             run.cancel()
 
     def epoch_keys(self, epoch: int, part_index: int | None = None, seed: int | None = None,
@@ -260,6 +283,10 @@ class ShardStream(Closing):
         epoch's shard order (``seed``: with another seed than the stream's)."""
         part = self.part_index if part_index is None else part_index
         seed = self.seed if seed is None else seed
+        remainder = self.remainder_of(epoch)
+        if remainder is not None:  # every part reads every piece (its stride of their rows)
+            pieces = remainder.keys
+            return iter(pieces[start:]), True, pieces
         if self.keep_keys and (epoch, part) in self._tapes:
             return self._tapes[(epoch, part)].read(start), False, None
         keys, finite = self.source.keys_for_epoch(epoch)
@@ -270,14 +297,7 @@ class ShardStream(Closing):
                 tape = self._tapes[(epoch, part)] = KeyTape(keys)
                 return tape.read(start), False, None
             return itertools.islice(keys, start, None), False, None
-        keys = list(keys)
-        if self.num_parts > 1 and keys and self.deal == "shards":  # deal shards to parts
-            dealt = seeded_rng(seed, epoch, 0xDEA1).permutation(len(keys))
-            mine = dealt[part::self.num_parts]
-            keys = [keys[i] for i in (mine if self.shuffle else np.sort(mine))]
-        elif self.shuffle and keys:
-            order = seeded_rng(seed, epoch, 0x5EED).permutation(len(keys))
-            keys = [keys[i] for i in order]
+        keys = part_keys(list(keys), seed, epoch, self.num_parts, part, self.shuffle, self.deal)
         return iter(keys[start:]), True, keys
 
     def key_at(self, epoch: int, index: int) -> tuple[Any, str | None] | None:
@@ -301,17 +321,39 @@ class ShardStream(Closing):
         if tape is not None:
             tape.forget(before)
 
-    def row_order(self, key: Any, epoch: int, length: int) -> np.ndarray | None:
-        """The rows of a shard this part reads, in order (None: all of them, as they are)."""
-        order = None
-        if self.shuffle and length > 1:
-            order = seeded_rng(self.seed, epoch, key_hash(key)).permutation(length)
+    def remainder_of(self, epoch: int) -> Remainder | None:
+        """The remainder read in place of ``epoch``'s keys (an elastic resume), if any."""
+        remainder = self.remainder
+        return remainder if remainder is not None and remainder.epoch == epoch else None
+
+    def made_epoch(self, epoch: int, index: int) -> int:
+        """The epoch whose shard is at position ``index`` of ``epoch`` (a remainder's pieces
+        may be of the epoch before: samples it rolled over)."""
+        remainder = self.remainder_of(epoch)
+        return remainder.pieces[index].epoch if remainder is not None and index >= 0 else epoch
+
+    def row_order(self, key: Any, epoch: int, length: int, index: int = -1
+                  ) -> np.ndarray | None:
+        """The rows of a shard this part reads, in order (None: all of them, as they are);
+        ``index``: its position in the epoch (a remainder's piece says which rows are left)."""
+        remainder = self.remainder_of(epoch)
+        if remainder is not None and index >= 0:
+            made = remainder.pieces[index].epoch
+            own = self.shard_order(key, made, length)
+            return remainder.rows(index, np.arange(length) if own is None else own,
+                                  self.num_parts, self.part_index, self.deal,
+                                  self.sizes.rows_before(epoch, index))
+        order = self.shard_order(key, epoch, length)
         if self.deal in ("samples", "strides") and self.num_parts > 1:
             rows = np.arange(length) if order is None else order
-            order = rows[self.part_index::self.num_parts]
-            if self.deal == "samples":
-                order = order[:length // self.num_parts]
+            order = part_rows(rows, self.num_parts, self.part_index, self.deal)
         return order
+
+    def shard_order(self, key: Any, epoch: int, length: int) -> np.ndarray | None:
+        """A shard's own row order in ``epoch``, before parts take theirs (None: as it is)."""
+        if self.shuffle and length > 1:
+            return seeded_rng(self.seed, epoch, key_hash(key)).permutation(length)
+        return None
 
     # -- iteration ----------------------------------------------------------------------
     def __iter__(self) -> Iterator[Shard]:
@@ -378,10 +420,12 @@ class ShardStream(Closing):
             ahead = self._next_run = self._new_run(epoch, 0, prepare)
         return ahead
 
-    def produce_now(self, key: Any, epoch: int, prepare: Prepare | None = None) -> Shard:
-        """Produce one shard in the calling thread, exactly as the producers would (for resume)."""
+    def produce_now(self, key: Any, epoch: int, prepare: Prepare | None = None,
+                    index: int = -1) -> Shard:
+        """Produce one shard in the calling thread, exactly as the producers would (for resume;
+        ``index``: its position in the epoch, where a remainder's piece is read)."""
         self.check_open()
-        return self._produce(key, epoch, -1, None, prepare)
+        return self._produce(key, epoch, index, None, prepare)
 
     def _produce(self, key: Any, epoch: int, index: int, run: "EpochRun | None",
                  prepare: Prepare | None) -> Shard:
@@ -420,8 +464,9 @@ class ShardStream(Closing):
         lane = threading.current_thread().name
         clock = self.stats.clock
         t0 = clock()
-        raw: RawShard = (self.source.produce(key, epoch) if self._remote is None
-                         else self.source.produce(key, epoch, executor=self._remote))
+        made = self.made_epoch(epoch, index)
+        raw: RawShard = (self.source.produce(key, made) if self._remote is None
+                         else self.source.produce(key, made, executor=self._remote))
         t1 = clock()
         arrays = raw.arrays
         if self.transform is not None:
@@ -434,7 +479,7 @@ class ShardStream(Closing):
                 raise
             arrays = normalize_arrays(value, what=f"transform output of shard {key!r}")
         full_size = len(arrays[0])
-        order = self.row_order(key, epoch, full_size)
+        order = self.row_order(key, epoch, full_size, index)
         if run is not None and run.cancelled:
             raise LoaderClosed("epoch pass cancelled")
         names = names_of(arrays)
@@ -599,7 +644,8 @@ class EpochRun:
             self._lookahead.append(nxt)
         for key, index in self._lookahead:
             if index not in self._ahead and index not in self._preskipped:
-                fut = stream._res.executor.submit(stream._generate, key, self.epoch, self)
+                fut = stream._res.executor.submit(stream._generate, key,
+                                                  stream.made_epoch(self.epoch, index), self)
                 self._ahead[index] = fut
                 fut.add_done_callback(self._generate_ahead)
                 return  # one at a time: the next call sees whether a producer is still idle
@@ -762,9 +808,9 @@ class EpochRun:
             record = shard.record
             assert record is not None  # _make records every shard it makes
             stream.stats.add_shard(record)
-            stream.sizes.remember(key, self.epoch, shard.full_size)
+            stream.sizes.remember(key, stream.made_epoch(self.epoch, index), shard.full_size)
             expected = stream.sizes.shard_size(key, self.epoch) if stream.sizes.declared(key) \
-                is not None else None
+                is not None and stream.remainder_of(self.epoch) is None else None
             if expected is not None and expected != len(shard):
                 logger.warning(
                     "shard %r (epoch %d) gives this part %d samples after transform, but "

@@ -400,8 +400,8 @@ class EpochPass:
         """even_batches='pad': the largest part's samples in the shards before position
         ``before`` (those a resume does not produce again)."""
         lead = self.even.lead if self.even is not None else 0
-        share = self.stream.sizes.part_share
-        return lead + sum(share(n, 0) for j, n in self._full_sizes.items() if j < before)
+        share, epoch = self.stream.sizes.unit_share, self.start.position.epoch
+        return lead + sum(share(epoch, j, n, 0) for j, n in self._full_sizes.items() if j < before)
 
     def _repeat(self, even: EvenBatches, delivered: int, count: int, run: EpochRun,
                 record: EpochRecord, stop: Position) -> Iterator[Any]:
@@ -468,7 +468,7 @@ class EpochPass:
         prepare = self.path.prepare
         if window == 1:
             key = keys[seg.unit] if keys is not None and seg.unit < len(keys) else seg.key
-            shard = stream.produce_now(key, seg.epoch, prepare)
+            shard = stream.produce_now(key, seg.epoch, prepare, seg.unit)
             if sources is not None:
                 sources.shard(seg.epoch, seg.unit, shard)
             return shard

@@ -10,9 +10,13 @@ import re
 import threading
 from typing import Any, Callable, Iterable, Iterator, Sequence, Union
 
+import numpy as np
+
+from .._utils.random import seeded_rng
 from ..errors import StreamError, UnsafeKey
 
-__all__ = ["KeyTape", "Keys", "MAX_KEY_LENGTH", "check_keys", "keys_for_epoch", "validate_key"]
+__all__ = ["KeyTape", "Keys", "MAX_KEY_LENGTH", "check_keys", "keys_for_epoch", "part_keys",
+           "validate_key"]
 
 Keys = Union[Sequence[Any], Iterable[Any], Callable[[int], Iterable[Any]]]
 
@@ -55,6 +59,21 @@ def keys_for_epoch(keys: Keys, epoch: int) -> tuple[Iterable[Any], bool]:
     if iter(chosen) is chosen:
         return chosen, False
     return list(chosen), True
+
+
+def part_keys(keys: list, seed: int, epoch: int, parts: int, part: int, shuffle: bool,
+              deal: str) -> list:
+    """Part ``part`` of ``parts``' shard order in ``epoch`` of a finite key list: its deal of
+    the shards from ``(seed, epoch)`` (``deal='shards'``), or every shard (the parts take
+    strides of their samples), shuffled from ``(seed, epoch)`` with ``shuffle``."""
+    if parts > 1 and keys and deal == "shards":  # deal shards to parts
+        dealt = seeded_rng(seed, epoch, 0xDEA1).permutation(len(keys))
+        mine = dealt[part::parts]
+        return [keys[i] for i in (mine if shuffle else np.sort(mine))]
+    if shuffle and keys:
+        order = seeded_rng(seed, epoch, 0x5EED).permutation(len(keys))
+        return [keys[i] for i in order]
+    return list(keys)
 
 
 _GONE = object()  # the iterator has no more keys

@@ -9,11 +9,28 @@ import numpy as np
 from .._utils import validate as _validate
 from ..sources import Source
 
-__all__ = ["DeclaredSizes", "ShardSizes"]
+__all__ = ["DeclaredSizes", "ShardSizes", "part_count", "part_rows"]
 
 #: ``shard_sizes=``: ``{key: samples}``, ``fn(key) -> samples``, or one int for every shard.
 DeclaredSizes = Union[Mapping[Any, int], Callable[[Any], int], int, None]
 KeysOf = Callable[..., "tuple[Iterator[Any], bool, list | None]"]
+
+
+def part_rows(rows: np.ndarray, parts: int, part: int, deal: str) -> np.ndarray:
+    """The rows of a shard (``rows``, in the shard's order) that part ``part`` of ``parts``
+    reads: all of them when shards are dealt whole; its stride with ``'strides'``; the same
+    stride cut to ``len(rows) // parts`` with ``'samples'`` (equal counts on every part)."""
+    if deal == "shards" or parts == 1:
+        return rows
+    out = rows[part::parts]
+    return out[:len(rows) // parts] if deal == "samples" else out
+
+
+def part_count(full: int, parts: int, part: int, deal: str) -> int:
+    """``len(part_rows(rows, parts, part, deal))`` for ``full`` rows, without the rows."""
+    if deal == "shards" or parts == 1:
+        return full
+    return full // parts if deal == "samples" else len(range(part, full, parts))
 
 
 class ShardSizes:
@@ -25,10 +42,13 @@ class ShardSizes:
         declared: ``shard_sizes=``.
         deal, num_parts, part_index: How the ranks split each shard or epoch.
         keys_of: ``keys_of(epoch, part_index) -> (keys, finite, key list)``.
+        remainder_of: ``remainder_of(epoch)``: the remainder read in place of an epoch's keys
+            after an elastic resume (None: the keys are read).
     """
 
     def __init__(self, source: Source, transform: Any, declared: DeclaredSizes, deal: str,
-                 num_parts: int, part_index: int, keys_of: KeysOf) -> None:
+                 num_parts: int, part_index: int, keys_of: KeysOf,
+                 remainder_of: Callable[[int], Any] = lambda epoch: None) -> None:
         if isinstance(declared, int) and not isinstance(declared, bool):
             declared = _validate.integer("shard_sizes", declared, minimum=0)
         elif declared is not None and not (callable(declared) or isinstance(declared, Mapping)):
@@ -38,6 +58,8 @@ class ShardSizes:
         self.source, self.transform, self._declared = source, transform, declared
         self.deal, self.num_parts, self.part_index = deal, num_parts, part_index
         self._keys_of = keys_of
+        self._remainder_of = remainder_of
+        self._before: tuple[Any, list] = (None, [])  # a remainder, and its rows_before
         self._seen: dict[tuple, int] = {}  # (key, epoch or None) -> samples seen
 
     def remember(self, key: Any, epoch: int, full_size: int) -> None:
@@ -48,12 +70,38 @@ class ShardSizes:
 
     def part_share(self, full: int, part: int | None = None) -> int:
         """Samples a part takes of a shard of ``full`` samples."""
-        parts = self.num_parts
-        if self.deal == "samples" and parts > 1:
-            return full // parts
-        if self.deal == "strides" and parts > 1:
-            return len(range(self.part_index if part is None else part, full, parts))
-        return full
+        return part_count(full, self.num_parts, self.part_index if part is None else part,
+                          self.deal)
+
+    def unit_share(self, epoch: int, index: int, full: int, part: int | None = None) -> int:
+        """Samples a part takes of the shard at position ``index`` of ``epoch`` holding ``full``
+        (a remainder's piece: its share of the rows left)."""
+        remainder = self._remainder_of(epoch)
+        if remainder is None:
+            return self.part_share(full, part)
+        return remainder.share(index, full, self.num_parts,
+                               self.part_index if part is None else part, self.deal,
+                               self.rows_before(epoch, index))
+
+    def rows_before(self, epoch: int, index: int) -> int | None:
+        """An elastic resume's remainder: the rows left in its pieces before piece ``index``,
+        where every rank knows them alike (declared sizes, or the source's, without a
+        transform); None otherwise."""
+        remainder = self._remainder_of(epoch)
+        if remainder is None:
+            return None
+        if self._before[0] is not remainder:
+            fulls = [self.agreed_size(p.key, p.epoch) for p in remainder.pieces]
+            self._before = (remainder, remainder.counts(fulls))
+        return self._before[1][index]
+
+    def agreed_size(self, key: Any, epoch: int) -> int | None:
+        """A shard's size as every rank knows it ahead (declared, or known to the source
+        without a transform), or None."""
+        n = self.declared(key)
+        if n is None and self.transform is None:
+            n = self.source.known_size(key, epoch)
+        return n
 
     def shard_size(self, key: Any, epoch: int, part: int | None = None) -> int | None:
         """A part's samples of a shard after transform (this part's by default), if known
@@ -70,9 +118,7 @@ class ShardSizes:
         never replaced by what a shard turned out to hold, so batch counts agree across ranks.
         Then sizes seen in an earlier pass (when the data cannot change), then cached headers.
         """
-        n = self.declared(key)
-        if n is None and self.transform is None:
-            n = self.source.known_size(key, epoch)  # the same on every rank
+        n = self.agreed_size(key, epoch)  # the same on every rank
         if n is None:
             n = self._seen.get((key, epoch), self._seen.get((key, None)))
         if n is None and self.transform is None:
@@ -95,6 +141,13 @@ class ShardSizes:
 
     def epoch_size(self, epoch: int, part_index: int | None = None) -> int | None:
         """Total samples of one part's epoch if every shard size is known, else None."""
+        remainder = self._remainder_of(epoch)
+        if remainder is not None:
+            fulls = [self.full_size(p.key, p.epoch) for p in remainder.pieces]
+            if any(n is None for n in fulls):
+                return None
+            return sum(self.unit_share(epoch, i, n, part_index) for i, n in enumerate(fulls)
+                       if n is not None)
         _, finite, keys = self._keys_of(epoch, part_index)
         if not finite or keys is None:
             return None

@@ -20,7 +20,8 @@ from .._utils import validate as _validate
 from .batching import Position, Segment
 from ..errors import InvalidState
 
-__all__ = ["STATE_VERSION", "LoaderState", "decode_state", "encode_state", "keys_digest"]
+__all__ = ["STATE_VERSION", "LoaderState", "checksum", "decode_state", "encode_state",
+           "keys_digest", "verify"]
 
 STATE_VERSION = 3
 _JSON_KEY = (str, int, float)
@@ -90,12 +91,14 @@ def _segments(segments: Sequence[Segment]) -> list:
 
 
 def encode_state(state: LoaderState, settings: Mapping[str, Any],
-                 epoch_keys: Sequence[Any] | None, drawn: tuple[int, Any] | None = None) -> dict:
+                 epoch_keys: Sequence[Any] | None, drawn: tuple[int, Any] | None = None,
+                 extra: Mapping[str, Any] | None = None) -> dict:
     """The JSON-serialisable form of ``state``, checksummed.
 
     ``epoch_keys`` is the shard order of the position's epoch (its pass over the keys) for this
     part (None for endless key iterators). ``drawn``: an endless iterator's (position, key) at
     or before the state's shard, for a resume to check that its iterator gives the same keys.
+    ``extra``: more fields (an elastic resume's remainder, read in place of an epoch's keys).
     """
     position = state.position
     out: dict = {"version": STATE_VERSION, "epoch": state.epoch, "end": position.end,
@@ -115,8 +118,30 @@ def encode_state(state: LoaderState, settings: Mapping[str, Any],
                        "next": _key(seen[position.unit]) if position.unit < len(seen) else None}
     elif drawn is not None:
         out["drawn"] = {"position": drawn[0], "key": _key(drawn[1])}
+    out.update(extra or {})
     out["digest"] = _checksum(out)
     return out
+
+
+def checksum(fields: Mapping[str, Any]) -> str:
+    """The checksum a state's ``digest`` holds, of its other fields."""
+    return _checksum(fields)
+
+
+def verify(state: Any, fields: Sequence[str] = ("version", "digest")) -> Mapping[str, Any]:
+    """``state`` if it is a dict of this version holding ``fields`` whose checksum matches
+    (a state edited or damaged after it was saved is refused)."""
+    if not isinstance(state, Mapping):
+        raise InvalidState(f"not a StreamLoader state: a dict is expected, got "
+                           f"{type(state).__name__}")
+    if "version" in state and state["version"] != STATE_VERSION:
+        raise InvalidState(f"state field 'version' is {state['version']!r}; this gluon_stream "
+                           f"reads version {STATE_VERSION} (save the state again with it)")
+    missing = set(fields) - set(state)
+    if missing:
+        raise InvalidState(f"not a StreamLoader state: missing {sorted(missing)}")
+    _check_checksum(state)
+    return state
 
 
 def decode_state(state: Any, settings: Mapping[str, Any], batch_size: int,
@@ -129,16 +154,7 @@ def decode_state(state: Any, settings: Mapping[str, Any], batch_size: int,
             range, or the keys it refers to changed (or, from an endless iterator, cannot be
             drawn again up to where it resumes).
     """
-    if not isinstance(state, Mapping):
-        raise InvalidState(f"not a StreamLoader state: a dict is expected, got "
-                           f"{type(state).__name__}")
-    if "version" in state and state["version"] != STATE_VERSION:
-        raise InvalidState(f"state field 'version' is {state['version']!r}; this gluon_stream "
-                           f"reads version {STATE_VERSION} (save the state again with it)")
-    missing = _FIELDS - set(state)
-    if missing:
-        raise InvalidState(f"not a StreamLoader state: missing {sorted(missing)}")
-    _check_checksum(state)
+    verify(state, sorted(_FIELDS))
     saved = state["settings"]
     differ = {k: (saved.get(k), v) for k, v in settings.items()
               if not isinstance(saved, Mapping) or saved.get(k) != v}

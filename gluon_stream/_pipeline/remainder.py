@@ -1,0 +1,182 @@
+"""The rest of an interrupted epoch, as pieces of shards: what the ranks of a resized job read.
+
+An elastic resume (:func:`gluon_stream.merge_states`) joins the positions the old ranks reached
+in an epoch. What none of them trained yet is, per old rank: the samples it carried, the rest
+of the shard it was in, and the shards after it in its deal. Each becomes a :class:`Take` of a
+shard: rows ``start .. stop`` of the old rank's rows of it, dealt as the old job dealt them
+(:func:`~gluon_stream._pipeline.sizes.part_rows`). The takes of one shard form a
+:class:`Piece`; the pieces, in a canonical order, form the :class:`Remainder`, which every new
+rank reads whole, each taking its stride of every piece's rows (the even rules of
+``deal='strides'``/``'samples'``), so no size needs to be known and no rank needs another's.
+
+Nothing here needs a shard's rows until it is produced: a take knows how to cut a shard's row
+order of any length. A remainder can itself be interrupted and merged again: a take's source is
+then an earlier remainder's piece (``parent``), resolved the same way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import numpy as np
+
+from .sizes import part_count, part_rows
+from .state import keys_digest
+from ..errors import InvalidState
+
+__all__ = ["Piece", "Remainder", "Take", "remainder_deal", "resolve"]
+
+#: ``keys_of(epoch, parts, part, deal)``: a part's shard order in an epoch (the loader's deal).
+KeysOf = Callable[[int, int, int, str], Sequence[Any]]
+
+
+def remainder_deal(deal: str) -> str:
+    """How the ranks split every piece of a remainder: their strides, cut to equal counts
+    where the loader's deal is (``'samples'``: even_batches=True without sizes)."""
+    return "samples" if deal == "samples" else "strides"
+
+
+@dataclass(frozen=True)
+class Take:
+    """Rows ``start .. stop`` (None: to the end) of what part ``part`` of ``parts`` read of a
+    source dealt by ``deal``: the shard's own row order, or an earlier remainder's piece."""
+
+    parent: Optional["Piece"]
+    parts: int
+    part: int
+    deal: str
+    start: int
+    stop: int | None
+
+    def rows(self, order: np.ndarray) -> np.ndarray:
+        source = order if self.parent is None else self.parent.rows(order)
+        return part_rows(source, self.parts, self.part, self.deal)[self.start:self.stop]
+
+    def count(self, full: int) -> int:
+        n = full if self.parent is None else self.parent.count(full)
+        return len(range(n)[:part_count(n, self.parts, self.part, self.deal)]
+                   [self.start:self.stop])
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What is left of one shard (of ``epoch``, ``key``): its takes' rows, in order."""
+
+    epoch: int
+    key: Any
+    takes: tuple[Take, ...]
+
+    def rows(self, order: np.ndarray) -> np.ndarray:
+        """The rows left, given the shard's own row order (all its rows)."""
+        return np.concatenate([t.rows(order) for t in self.takes])
+
+    def count(self, full: int) -> int:
+        """How many rows are left of a shard of ``full`` rows."""
+        return sum(t.count(full) for t in self.takes)
+
+
+@dataclass(frozen=True)
+class Remainder:
+    """The rest of epoch ``epoch``: its pieces in order, read by every rank (``spec``: what
+    the merged state holds, saved again in the states taken while it is read)."""
+
+    epoch: int
+    pieces: tuple[Piece, ...]
+    spec: Mapping[str, Any]
+
+    @property
+    def keys(self) -> list:
+        return [p.key for p in self.pieces]
+
+    def rows(self, index: int, order: np.ndarray, parts: int, part: int, deal: str,
+             before: int | None = None) -> np.ndarray:
+        """The rows part ``part`` of ``parts`` reads of piece ``index`` (``order``: the
+        shard's own row order; ``before``: see :meth:`turn`)."""
+        return part_rows(self.pieces[index].rows(order), parts,
+                         self.turn(part, parts, deal, before), remainder_deal(deal))
+
+    def share(self, index: int, full: int, parts: int, part: int, deal: str,
+              before: int | None = None) -> int:
+        """How many rows part ``part`` reads of piece ``index`` of a shard of ``full`` rows."""
+        return part_count(self.pieces[index].count(full), parts,
+                          self.turn(part, parts, deal, before), remainder_deal(deal))
+
+    @staticmethod
+    def turn(part: int, parts: int, deal: str, before: int | None) -> int:
+        """Which stride of a piece part ``part`` takes: where every rank knows the rows left in
+        the pieces before it (``before``, from sizes known alike), the strides go on from where
+        the last piece's stopped, so the parts' counts differ by one at most over the whole
+        remainder; otherwise each piece's strides start at part 0."""
+        if before is None or remainder_deal(deal) == "samples":
+            return part
+        return (part - before) % parts
+
+    def counts(self, fulls: Sequence[int | None]) -> list[int | None]:
+        """The rows left in the pieces before each piece, given the shards' sizes (None from
+        the first unknown size on)."""
+        out: list[int | None] = []
+        total: int | None = 0
+        for piece, full in zip(self.pieces, fulls):
+            out.append(total)
+            total = None if total is None or full is None else total + piece.count(full)
+        return out
+
+
+def resolve(spec: Mapping[str, Any], keys_of: KeysOf) -> Remainder:
+    """The remainder a merged state's ``spec`` describes, its shards named by ``keys_of``.
+
+    Raises:
+        InvalidState: an old rank's keys are not those its state was saved with, or a
+            position lies outside them.
+    """
+    prior = resolve(spec["prior"], keys_of) if spec.get("prior") else None
+    epoch, parts, deal = spec["epoch"], spec["parts"], spec["deal"]
+    lists: dict[tuple[int, int], list] = {}
+
+    def units(e: int, rank: int) -> list:
+        if prior is not None and e == prior.epoch:
+            return list(prior.pieces)
+        if (e, rank) not in lists:
+            lists[(e, rank)] = list(keys_of(e, parts, rank, deal))
+        return lists[(e, rank)]
+
+    def take(e: int, unit: int, rank: int, start: int, stop: int | None) -> tuple[tuple, Take]:
+        found = units(e, rank)
+        if unit >= len(found):
+            raise InvalidState(f"the state of rank {rank} refers to shard {unit} of epoch {e}, "
+                               f"which has {len(found)}: the keys changed since it was saved")
+        item = found[unit]
+        if isinstance(item, Piece):
+            return (item.epoch, item.key), Take(item, parts, rank, remainder_deal(deal),
+                                                start, stop)
+        return (e, item), Take(None, parts, rank, deal, start, stop)
+
+    per_rank: list[list[tuple[tuple, Take]]] = []
+    for rank, saved in enumerate(spec["ranks"]):
+        _check_rank_keys(saved, [p.key if isinstance(p, Piece) else p
+                                 for p in units(epoch, rank)], epoch, rank)
+        takes = [take(e, u, rank, a, b) for e, u, a, b in saved["carry"]]
+        if not saved["end"]:
+            takes.append(take(epoch, saved["unit"], rank, saved["offset"], None))
+            takes += [take(epoch, j, rank, 0, None)
+                      for j in range(saved["unit"] + 1, len(units(epoch, rank)))]
+        per_rank.append(takes)
+    grouped: dict[tuple, list[Take]] = {}  # the order of first appearance, ranks in turn
+    for i in range(max((len(t) for t in per_rank), default=0)):
+        for takes in per_rank:
+            if i < len(takes):
+                grouped.setdefault(takes[i][0], []).append(takes[i][1])
+    pieces = tuple(Piece(e, key, tuple(t)) for (e, key), t in grouped.items())
+    return Remainder(epoch, pieces, spec)
+
+
+def _check_rank_keys(saved: Mapping[str, Any], keys: list, epoch: int, rank: int) -> None:
+    digest = saved.get("keys")
+    if digest is None:
+        return
+    now = keys[:digest["count"]]
+    if len(now) != digest["count"] or keys_digest(now) != digest["digest"]:
+        raise InvalidState(
+            f"field 'keys': the keys of epoch {epoch} are not those rank {rank}'s state was "
+            f"saved with (its first {digest['count']} shard(s) differ now); resuming would "
+            "repeat or skip samples. Resume with the keys it was saved with")

@@ -1,0 +1,175 @@
+"""Elastic resume: the states N ranks saved at one step, merged into one that M ranks load.
+
+:func:`merge_states` joins the ranks' positions into a description of what none of them trained
+yet in the interrupted epoch (see :mod:`gluon_stream._pipeline.remainder`); every new rank loads
+the same merged state with ``load_state_dict`` and reads its stride of that remainder, then the
+next epochs as a job of its world size reads them. Only the saved states and the new world size
+decide what each rank reads: no rank needs another's, nothing is communicated.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Mapping, Sequence
+
+from ._pipeline.batching import Position
+from ._pipeline.remainder import Remainder, resolve
+from ._pipeline.state import STATE_VERSION, LoaderState, checksum, verify
+from .errors import InvalidState
+
+__all__ = ["FIXED_SETTINGS", "load_merged", "merge_states"]
+
+#: Settings an elastic resume keeps (the world size, ``batch_size`` and ``num_workers`` may
+#: change; the deal of the shards follows the world size).
+FIXED_SETTINGS = ("seed", "shuffle", "last_batch", "shuffle_window", "even_batches",
+                  "samples_per_epoch")
+_UNSUPPORTED = {"shuffle_window": lambda v: v != 1,
+                "samples_per_epoch": lambda v: v is not None}
+
+
+def merge_states(states: Sequence[Mapping[str, Any]]) -> dict:
+    """One state that any rank of any world size loads, from the states of all ranks of a job
+    saved at the same step (``loader.state_dict()`` on every rank, in any order).
+
+    Loaded with ``load_state_dict`` by each rank of the new job (built with the same arguments,
+    but any ``num_parts``/``part_index``, ``batch_size`` and ``num_workers``), the interrupted
+    epoch goes on with exactly the samples no old rank trained, each once, dealt to the new
+    ranks by the usual even rules; the epochs after it are those a fresh job of the new size
+    reads. The merged state is JSON-serialisable and checksummed like a rank's own.
+
+    Raises:
+        InvalidState: a state is not a rank's state or was edited; a rank's state is missing
+            or given twice; the states were saved at different steps or with other settings
+            (the field is named); or the loader reads ``samples_per_epoch`` epochs, mixes a
+            ``shuffle_window`` or endless keys, which an elastic resume does not support yet.
+
+    Example:
+        >>> merged = merge_states([state_0, state_1])  # doctest: +SKIP
+        >>> loader.load_state_dict(merged)              # on each of the new ranks # doctest: +SKIP
+    """
+    if isinstance(states, Mapping) or not isinstance(states, Sequence) or not states:
+        raise InvalidState("merge_states takes the list of every rank's state, got "
+                           f"{type(states).__name__}")
+    by_rank = _by_rank([verify(s, ("version", "digest", "settings", "epoch", "end", "unit",
+                                   "offset", "batches", "carry")) for s in states])
+    first = by_rank[0]["settings"]
+    for name, unsupported in _UNSUPPORTED.items():
+        if unsupported(first.get(name)):
+            raise InvalidState(f"field {name!r} is {first.get(name)!r}: an elastic resume does "
+                               "not support it yet; resume on the same number of ranks")
+    for rank, state in enumerate(by_rank):
+        for name in FIXED_SETTINGS:
+            if state["settings"].get(name) != first.get(name):
+                raise InvalidState(
+                    f"field {name!r}: rank {rank}'s state was saved with {name}="
+                    f"{state['settings'].get(name)!r}, rank 0's with {first.get(name)!r}: not "
+                    "states of one job")
+        if "keys" not in state and not state["end"]:
+            raise InvalidState(f"rank {rank}'s state names no key list (endless keys): an "
+                               "elastic resume does not support them yet")
+        if "elastic" in state:
+            raise InvalidState(f"rank {rank}'s state is a merged state: merge the states the "
+                               "ranks saved after loading it")
+    epoch = max(_epoch_of(s) for s in by_rank)
+    prior = _prior(by_rank)
+    ranks = [_rank_spec(state, rank, epoch, first) for rank, state in enumerate(by_rank)]
+    _check_steps(by_rank, first)
+    left = any(not r["end"] or r["carry"] for r in ranks)
+    spec = {"epoch": epoch, "parts": len(by_rank), "deal": first.get("deal", "shards"),
+            "prior": prior, "ranks": ranks} if left else None
+    out: dict = {"version": STATE_VERSION, "elastic": spec, "epoch": epoch, "end": not left,
+                 "settings": {name: first.get(name) for name in FIXED_SETTINGS}}
+    out["digest"] = checksum(out)
+    return out
+
+
+def load_merged(state: Mapping[str, Any], settings: Mapping[str, Any],
+                keys_of: Callable[[int, int, int, str], Sequence[Any]]
+                ) -> tuple[LoaderState, Remainder | None]:
+    """Where a loader with ``settings`` starts from a merged state, and the remainder it reads
+    in place of the interrupted epoch's keys (``keys_of(epoch, parts, part, deal)``: the shard
+    order a rank of the old job read)."""
+    verify(state, ("version", "digest", "elastic", "epoch", "end", "settings"))
+    saved = state["settings"]
+    for name in FIXED_SETTINGS:
+        if saved.get(name) != settings.get(name):
+            raise InvalidState(
+                f"field {name!r}: the merged state was saved with {name}={saved.get(name)!r}, "
+                f"this loader has {settings.get(name)!r}; an elastic resume may change only the "
+                "number of ranks, batch_size and num_workers: build the loader as before")
+    epoch = state["epoch"]
+    if state["elastic"] is None:  # every rank ended the epoch: the next starts afresh
+        return LoaderState(Position(epoch, end=True)), None
+    remainder = resolve(state["elastic"], keys_of)
+    return LoaderState(Position(epoch)), remainder
+
+
+def _by_rank(states: list) -> list:
+    """The states in rank order: each rank once, every rank of the job."""
+    parts = states[0]["settings"].get("num_parts")
+    found: dict[int, Mapping[str, Any]] = {}
+    for state in states:
+        settings = state["settings"]
+        rank = settings.get("part_index")
+        if settings.get("num_parts") != parts:
+            raise InvalidState(f"rank {rank}'s state was saved by a job of "
+                               f"{settings.get('num_parts')} ranks, another's by one of {parts}: "
+                               "not states of one job")
+        if rank in found:
+            raise InvalidState(f"rank {rank}'s state is given twice: give each rank's state once")
+        found[rank] = state
+    missing = [r for r in range(parts) if r not in found]
+    if missing:
+        raise InvalidState(f"the state of rank {missing[0]} of {parts} is missing (missing: "
+                           f"{missing}): every rank's state is needed, or its samples would be "
+                           "skipped")
+    return [found[r] for r in range(parts)]
+
+
+def _epoch_of(state: Mapping[str, Any]) -> int:
+    """The epoch a rank's state stands in; a state at an epoch's very start counts as the end
+    of the one before (with what it rolled over)."""
+    at_start = not state["end"] and not state["unit"] and not state["offset"] \
+        and not state["batches"] and state["epoch"] > 0
+    return state["epoch"] - 1 if at_start else state["epoch"]
+
+
+def _rank_spec(state: Mapping[str, Any], rank: int, epoch: int,
+               first: Mapping[str, Any]) -> dict:
+    carry = [[s["epoch"], s["unit"], s["start"], s["stop"]] for s in state["carry"]]
+    if state["epoch"] != epoch:
+        if _epoch_of(state) != epoch:
+            raise InvalidState(
+                f"rank {rank}'s state is in epoch {state['epoch']}, another's in epoch {epoch}: "
+                "states from different steps; save every rank's state at the same step")
+        return {"end": True, "unit": 0, "offset": 0, "carry": carry, "keys": None}
+    return {"end": state["end"], "unit": state["unit"], "offset": state["offset"],
+            "carry": carry, "keys": state.get("keys")}
+
+
+def _check_steps(states: list, first: Mapping[str, Any]) -> None:
+    """With even_batches every rank delivers as many batches: a count that differs means a
+    state of another step."""
+    if not first.get("even_batches"):
+        return
+    step = (states[0]["epoch"], states[0]["end"], states[0]["batches"])
+    for rank, state in enumerate(states):
+        if (state["epoch"], state["end"], state["batches"]) != step:
+            raise InvalidState(
+                f"rank {rank}'s state is after {state['batches']} batch(es) of epoch "
+                f"{state['epoch']}, rank 0's after {step[2]} of epoch {step[0]}: states from "
+                "different steps (even_batches: every rank delivers as many); save every rank's "
+                "state at the same step")
+
+
+def _prior(states: list) -> Any:
+    """The remainder the ranks were reading (a resize during an elastic resume), the same in
+    every state that holds one."""
+    specs = [(rank, s["remainder"]) for rank, s in enumerate(states) if "remainder" in s]
+    if not specs:
+        return None
+    text = json.dumps(specs[0][1], sort_keys=True)
+    for rank, spec in specs:
+        if json.dumps(spec, sort_keys=True) != text:
+            raise InvalidState(f"rank {rank}'s state reads another remainder than rank "
+                               f"{specs[0][0]}'s: states of different resumes")
+    return specs[0][1]
