@@ -151,12 +151,12 @@ def _check_steps(states: list, first: Mapping[str, Any]) -> None:
     state of another step."""
     if not first.get("even_batches"):
         return
-    step = (states[0]["epoch"], states[0]["end"], states[0]["batches"])
+    step = (states[0]["epoch"], states[0]["batches"])
     for rank, state in enumerate(states):
-        if (state["epoch"], state["end"], state["batches"]) != step:
+        if (state["epoch"], state["batches"]) != step:
             raise InvalidState(
                 f"rank {rank}'s state is after {state['batches']} batch(es) of epoch "
-                f"{state['epoch']}, rank 0's after {step[2]} of epoch {step[0]}: states from "
+                f"{state['epoch']}, rank 0's after {step[1]} of epoch {step[0]}: states from "
                 "different steps (even_batches: every rank delivers as many); save every rank's "
                 "state at the same step")
 

@@ -310,12 +310,14 @@ class StreamLoader(Closing):
         """
         state = self._starts.current()
         position = state.position
-        remainder = self.stream.remainder
-        extra = {"remainder": dict(remainder.spec)} if remainder is not None \
-            and position.epoch <= remainder.epoch + 1 else None
-        return encode_state(state, self._settings_saved(),
-                            self.stream.epoch_keys(position.epoch)[2],
-                            self.stream.kept_key(position.epoch, position.unit), extra)
+        stream, remainder = self.stream, self.stream.remainder
+        extra = None
+        if remainder is not None and position.epoch <= remainder.epoch + 1:
+            turns = [stream.sizes.rows_before(remainder.epoch, k)
+                     for k in range(len(remainder.pieces))]
+            extra = {"remainder": dict(remainder.spec, turns=turns)}
+        return encode_state(state, self._settings_saved(), stream.epoch_keys(position.epoch)[2],
+                            stream.kept_key(position.epoch, position.unit), extra)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict` of a loader built with the same arguments.

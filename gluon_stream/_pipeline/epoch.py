@@ -246,7 +246,8 @@ class EpochPass:
             record.complete = True
             self.finished = True
             fresh = not start.delivered and position.unit == position.offset == 0
-            if not record.samples and fresh and settings.epoch_samples is None:
+            if not record.samples and fresh and settings.epoch_samples is None \
+                    and stream.remainder_of(run.epoch) is None:  # a remainder may hold none
                 logger.warning("epoch %d delivered no samples: %s", run.epoch,
                                _empty_reason(run, feed, settings.batch_size,
                                              settings.last_batch))

@@ -130,6 +130,8 @@ def resolve(spec: Mapping[str, Any], keys_of: KeysOf) -> Remainder:
             position lies outside them.
     """
     prior = resolve(spec["prior"], keys_of) if spec.get("prior") else None
+    # which stride of each of its pieces a rank read (saved with its state: see Remainder.turn)
+    turns = spec["prior"].get("turns") if prior is not None else None
     epoch, parts, deal = spec["epoch"], spec["parts"], spec["deal"]
     lists: dict[tuple[int, int], list] = {}
 
@@ -147,7 +149,8 @@ def resolve(spec: Mapping[str, Any], keys_of: KeysOf) -> Remainder:
                                f"which has {len(found)}: the keys changed since it was saved")
         item = found[unit]
         if isinstance(item, Piece):
-            return (item.epoch, item.key), Take(item, parts, rank, remainder_deal(deal),
+            turn = Remainder.turn(rank, parts, deal, turns[unit] if turns else None)
+            return (item.epoch, item.key), Take(item, parts, turn, remainder_deal(deal),
                                                 start, stop)
         return (e, item), Take(None, parts, rank, deal, start, stop)
 
@@ -156,7 +159,11 @@ def resolve(spec: Mapping[str, Any], keys_of: KeysOf) -> Remainder:
         _check_rank_keys(saved, [p.key if isinstance(p, Piece) else p
                                  for p in units(epoch, rank)], epoch, rank)
         takes = [take(e, u, rank, a, b) for e, u, a, b in saved["carry"]]
-        if not saved["end"]:
+        if not saved["end"] and saved["unit"] > len(units(epoch, rank)):
+            raise InvalidState(f"the state of rank {rank} stands at shard {saved['unit']} of "
+                               f"epoch {epoch}, which has {len(units(epoch, rank))}: the keys "
+                               "changed since it was saved")
+        if not saved["end"] and saved["unit"] < len(units(epoch, rank)):  # else: all read
             takes.append(take(epoch, saved["unit"], rank, saved["offset"], None))
             takes += [take(epoch, j, rank, 0, None)
                       for j in range(saved["unit"] + 1, len(units(epoch, rank)))]

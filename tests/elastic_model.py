@@ -1,0 +1,49 @@
+"""What an elastic resume promises, as an oracle over the samples the ranks trained.
+
+A job of ``parts[0]`` ranks trains to a step of epoch 0 and stops; ``merge_states`` joins its
+states, ``parts[1]`` ranks load them, train to another step and stop; ``parts[2]`` ranks load
+the merge of those and train the rest. Every sample of epoch 0 is a shard's row, named by its
+value (``1000 * key + row``). The oracle says which samples may be missing (never one trained
+twice): none with ``'pad'`` or ``last_batch='keep'``; a short batch per rank with
+``'discard'``/``'rollover'`` (rolled into the next epoch) or ``even_batches=True``; with
+``even_batches=True`` and sizes unknown, also the fewer-than-``num_parts`` rows a rank's equal
+stride leaves out of each shard (or piece of one).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+SPAN = 1000  # a sample's value: SPAN * key + row
+
+
+@dataclass(frozen=True)
+class Config:
+    sizes: tuple[int, ...]  # samples of shard k (the keys are 0 .. len - 1)
+    shuffle: bool
+    seed: int
+    even: Any  # False, True or 'pad'
+    last_batch: str
+    sizes_known: bool
+    parts: tuple[int, int, int]  # ranks of the three stages
+    batch_sizes: tuple[int, int, int]
+    stops: tuple[int, int]  # batches the first two stages train before they stop
+
+    def shard(self, key: int) -> np.ndarray:
+        return np.arange(self.sizes[key], dtype="float32") + SPAN * key
+
+    def samples(self) -> set:
+        return {SPAN * k + r for k, n in enumerate(self.sizes) for r in range(n)}
+
+
+def missing_allowed(cfg: Config) -> int:
+    """The most samples of the interrupted epoch that may go untrained across the stages."""
+    last_ranks, last_bs = cfg.parts[2], cfg.batch_sizes[2]
+    if cfg.even == "pad" or (cfg.last_batch == "keep" and cfg.even is not True):
+        return 0
+    allowed = last_ranks * last_bs  # a short batch per rank (one more row: equal deals)
+    if cfg.even is True and not cfg.sizes_known:  # equal strides cut from every shard
+        allowed += sum(cfg.parts) * len(cfg.sizes)
+    return allowed

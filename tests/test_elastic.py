@@ -1,0 +1,290 @@
+"""Elastic resume: states saved on N ranks, merged, continued exactly on M ranks.
+
+The hypothesis test draws a job (shard sizes, shuffle, even_batches, last_batch, sizes known or
+not), resizes it twice at drawn steps (the second time while the ranks read the first merge's
+remainder), changes the batch size each time, and checks the samples every rank trained
+against :mod:`elastic_model`. ``GS_MODEL_EXAMPLES=400`` runs a deeper search.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, example, given, reject, settings
+from hypothesis import strategies as st
+
+import gluon_stream as gs
+import elastic_model as model
+
+pytestmark = pytest.mark.mxnet
+
+EXAMPLES = int(os.environ.get("GS_MODEL_EXAMPLES", "30"))
+
+
+def make_loader(cfg: model.Config, parts: int, rank: int, batch_size: int) -> gs.StreamLoader:
+    sizes = {k: n for k, n in enumerate(cfg.sizes)} if cfg.sizes_known else None
+    return gs.StreamLoader(gs.FunctionSource(range(len(cfg.sizes)), cfg.shard),
+                           batch_size=batch_size, shuffle=cfg.shuffle, seed=cfg.seed,
+                           num_parts=parts, part_index=rank, even_batches=cfg.even,
+                           last_batch=cfg.last_batch, shard_sizes=sizes, prefetch=1)
+
+
+def train(loader: gs.StreamLoader, batch_size: int, stop: int | None) -> tuple[list, int]:
+    """The real rows of the batches of one pass (up to ``stop`` batches), and their count."""
+    rows, count = [], 0
+    if stop == 0:
+        return rows, count
+    for batch in loader:
+        rows += batch.asnumpy()[:batch_size - loader.pad].tolist()
+        count += 1
+        if count == stop:
+            break
+    return rows, count
+
+
+def next_epoch(loader: gs.StreamLoader, batch_size: int) -> Any:
+    """The next epoch's rows, or the error a rank with no sample at all meets with 'pad'
+    (a fresh job meets it alike)."""
+    try:
+        return train(loader, batch_size, None)
+    except gs.StreamError as exc:
+        if "has no batch to give" not in str(exc):
+            raise
+        return "no batch to give"
+
+
+def stage(cfg, parts, batch_size, state, stop):
+    """``parts`` ranks from ``state``, each training up to ``stop`` batches: (rows, batch
+    counts, states, loaders still open when ``stop`` is None)."""
+    rows, counts, states, loaders = [], [], [], []
+    for rank in range(parts):
+        loader = make_loader(cfg, parts, rank, batch_size)
+        try:
+            if state is not None:
+                loader.load_state_dict(json.loads(json.dumps(state)))  # as saved to a file
+            got, count = train(loader, batch_size, stop)
+        except gs.StreamError as exc:
+            for other in loaders + [loader]:
+                other.close()
+            if "has no batch to give" in str(exc):  # 'pad' with a rank of no sample at all:
+                reject()  # refused as in any job (it has no batch to pad with)
+            raise
+        rows += got
+        counts.append(count)
+        states.append(loader.state_dict())
+        if stop is None:
+            loaders.append(loader)
+        else:
+            loader.close()
+    return rows, counts, states, loaders
+
+
+def check(cfg: model.Config) -> dict:
+    """Run the three stages; assert the promise; return the figures."""
+    (n0, n1, n2), (b0, b1, b2) = cfg.parts, cfg.batch_sizes
+    rows0, counts0, states0, _ = stage(cfg, n0, b0, None, cfg.stops[0])
+    merged = gs.merge_states(list(reversed(states0)))  # any order
+    rows1, counts1, states1, _ = stage(cfg, n1, b1, merged, cfg.stops[1])
+    rows2, counts2, _, loaders = stage(cfg, n2, b2, gs.merge_states(states1), None)
+    try:  # (a StreamError raised by a stage closed its loaders)
+        trained = collections.Counter(rows0 + rows1 + rows2)
+        twice = {v: c for v, c in trained.items() if c > 1}
+        assert not twice, f"trained more than once: {twice}"
+        assert set(trained) <= cfg.samples()
+        missing = cfg.samples() - set(trained)
+        ended = any(s["end"] or s["epoch"] for s in states0 + states1)  # an epoch ran out: the
+        if not ended:  # old job's own drops (even_batches=True) are not the resume's
+            assert len(missing) <= model.missing_allowed(cfg), (len(missing), sorted(missing))
+        if cfg.even:
+            for counts in (counts0, counts1, counts2):
+                assert len(set(counts)) == 1, counts
+        epoch = loaders[0].epoch
+        if cfg.last_batch != "rollover":  # the next epoch is a fresh job's
+            for rank, loader in enumerate(loaders):
+                fresh = make_loader(cfg, n2, rank, b2)
+                fresh.set_epoch(epoch)
+                try:
+                    assert next_epoch(loader, b2) == next_epoch(fresh, b2)
+                finally:
+                    fresh.close()
+    finally:
+        for loader in loaders:
+            loader.close()
+    return {"counts": (counts0, counts1, counts2), "missing": len(missing)}
+
+
+@st.composite
+def configs(draw):
+    even = draw(st.sampled_from([False, True, "pad"]))
+    last_batch = "keep" if even == "pad" else draw(st.sampled_from(
+        ["keep", "discard"] if even else ["keep", "discard", "rollover"]))
+    return model.Config(
+        sizes=tuple(draw(st.lists(st.integers(0, 12), min_size=1, max_size=6))),
+        shuffle=draw(st.booleans()), seed=draw(st.integers(0, 3)), even=even,
+        last_batch=last_batch, sizes_known=draw(st.booleans()),
+        parts=tuple(draw(st.integers(1, 4)) for _ in range(3)),
+        batch_sizes=tuple(draw(st.integers(1, 5)) for _ in range(3)),
+        stops=(draw(st.integers(0, 6)), draw(st.integers(0, 6))))
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize="GS_MODEL_EXAMPLES" not in os.environ,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(cfg=configs())
+@example(cfg=model.Config((10, 13, 16, 7), True, 0, True, "keep", True, (2, 3, 2), (4, 5, 3),
+                          (2, 1)))
+@example(cfg=model.Config((10, 13, 16, 7, 9), True, 1, True, "discard", False, (4, 1, 3),
+                          (2, 3, 4), (1, 2)))
+@example(cfg=model.Config((10, 13, 16), False, 0, "pad", "keep", False, (1, 4, 2), (3, 2, 5),
+                          (3, 2)))
+@example(cfg=model.Config((5, 0, 11, 8), True, 2, False, "rollover", False, (3, 2, 1),
+                          (4, 3, 5), (1, 1)))
+def test_resized_twice_every_sample_once(cfg):
+    check(cfg)
+
+
+def test_up_and_down_counts_and_sizes():
+    """2 -> 3 -> 2 with even_batches=True, sizes known: equal counts, a short batch per rank
+    at most left out, the next epoch a fresh 2-rank job's."""
+    cfg = model.Config(tuple(range(20, 40, 2)), True, 0, True, "keep", True, (2, 3, 2),
+                       (4, 4, 4), (5, 3))
+    figures = check(cfg)
+    assert figures["counts"][0] == [5, 5] and len(set(figures["counts"][2])) == 1
+    assert figures["missing"] <= 2 * 4
+
+
+# -- refusals --------------------------------------------------------------------------------
+def _states(parts=2, stop=1, **overrides):
+    kw = dict(batch_size=4, shuffle=True, seed=0)
+    kw.update(overrides)
+    states = []
+    for rank in range(parts):
+        loader = gs.StreamLoader(gs.FunctionSource(range(4), lambda k: np.arange(10.0) + 100 * k),
+                                 num_parts=parts, part_index=rank, **kw)
+        it = iter(loader)
+        for _ in range(stop):
+            next(it)
+        states.append(loader.state_dict())
+        loader.close()
+    return states
+
+
+def _loader(**overrides):
+    kw = dict(batch_size=4, shuffle=True, seed=0, num_parts=3, part_index=0)
+    kw.update(overrides)
+    return gs.StreamLoader(gs.FunctionSource(range(4), lambda k: np.arange(10.0) + 100 * k), **kw)
+
+
+def test_a_missing_or_duplicated_rank_is_refused_naming_it():
+    states = _states(parts=3)
+    with pytest.raises(gs.InvalidState, match="rank 1 of 3 is missing"):
+        gs.merge_states([states[0], states[2]])
+    with pytest.raises(gs.InvalidState, match="rank 2's state is given twice"):
+        gs.merge_states([states[0], states[1], states[2], states[2]])
+    with pytest.raises(gs.InvalidState, match="2 ranks"):
+        gs.merge_states(states[:2] + _states(parts=2)[1:])
+
+
+def test_states_of_different_steps_are_refused_naming_the_rank():
+    early, late = _states(stop=1, even_batches=True), _states(stop=2, even_batches=True)
+    with pytest.raises(gs.InvalidState, match="rank 1's state is after 2 batch"):
+        gs.merge_states([early[0], late[1]])
+    a = _states(stop=1)
+    loader = gs.StreamLoader(gs.FunctionSource(range(4), lambda k: np.arange(10.0) + 100 * k),
+                             batch_size=4, shuffle=True, seed=0, num_parts=2, part_index=1)
+    loader.set_epoch(2)
+    it = iter(loader)
+    next(it)
+    later = loader.state_dict()
+    loader.close()
+    with pytest.raises(gs.InvalidState, match="rank 0's state is in epoch 0"):
+        gs.merge_states([a[0], later])
+
+
+@pytest.mark.parametrize("field,value", [("seed", 1), ("shuffle", False),
+                                         ("last_batch", "discard"),
+                                         ("even_batches", "pad")])
+def test_a_changed_setting_is_refused_naming_the_field(field, value):
+    merged = gs.merge_states(_states())
+    loader = _loader(**{field: value})
+    try:
+        with pytest.raises(gs.InvalidState, match=f"field '{field}'"):
+            loader.load_state_dict(merged)
+    finally:
+        loader.close()
+    other = _states(**{field: value})
+    with pytest.raises(gs.InvalidState, match=f"field '{field}'"):
+        gs.merge_states([_states()[0], other[1]])
+
+
+def test_changed_keys_are_refused_naming_the_field():
+    merged = gs.merge_states(_states())
+    loader = gs.StreamLoader(gs.FunctionSource(range(5), lambda k: np.arange(10.0)),
+                             batch_size=4, shuffle=True, seed=0, num_parts=3, part_index=0)
+    try:
+        with pytest.raises(gs.InvalidState, match="field 'keys'"):
+            loader.load_state_dict(merged)
+    finally:
+        loader.close()
+
+
+@pytest.mark.parametrize("field,kw", [("shuffle_window", {"shuffle_window": 2}),
+                                      ("samples_per_epoch", {"samples_per_epoch": 12})])
+def test_unsupported_features_are_refused_naming_the_field(field, kw):
+    with pytest.raises(gs.InvalidState, match=f"field '{field}'.*not support it yet"):
+        gs.merge_states(_states(**kw))
+
+
+def test_edited_or_foreign_states_are_refused():
+    states = _states()
+    edited = dict(states[1], offset=states[1]["offset"] + 1)
+    with pytest.raises(gs.InvalidState, match="checksum"):
+        gs.merge_states([states[0], edited])
+    with pytest.raises(gs.InvalidState, match="list of every rank's state"):
+        gs.merge_states(states[0])
+    merged = dict(gs.merge_states(states))
+    merged["epoch"] += 1
+    loader = _loader()
+    try:
+        with pytest.raises(gs.InvalidState, match="checksum"):
+            loader.load_state_dict(merged)
+    finally:
+        loader.close()
+
+
+def test_merge_cost_for_64_ranks():
+    """The cost of merging 64 ranks' states (printed: median of runs), and of loading it."""
+    keys, parts = range(256), 64
+    states = []
+    for rank in range(parts):
+        loader = gs.StreamLoader(gs.FunctionSource(keys, lambda k: np.arange(50.0)),
+                                 batch_size=8, shuffle=True, seed=0, num_parts=parts,
+                                 part_index=rank, shard_sizes=50)
+        it = iter(loader)
+        next(it)
+        states.append(loader.state_dict())
+        loader.close()
+    merge_ms, load_ms = [], []
+    loader = gs.StreamLoader(gs.FunctionSource(keys, lambda k: np.arange(50.0)), batch_size=8,
+                             shuffle=True, seed=0, num_parts=48, part_index=5, shard_sizes=50)
+    try:
+        for _ in range(7):
+            t0 = time.perf_counter()
+            merged = gs.merge_states(states)
+            t1 = time.perf_counter()
+            loader.load_state_dict(merged)
+            t2 = time.perf_counter()
+            merge_ms.append((t1 - t0) * 1e3)
+            load_ms.append((t2 - t1) * 1e3)
+        count = len(loader)
+    finally:
+        loader.close()
+    print(f"\nmerge_states of {parts} ranks' states ({len(keys)} shards): median "
+          f"{statistics.median(merge_ms):.2f} ms; load_state_dict of the merge on a rank of 48: "
+          f"median {statistics.median(load_ms):.2f} ms; {len(json.dumps(merged))} bytes of JSON")
+    assert count == (256 * 50 - 64 * 8) // 48 // 8  # every rank an equal share of the rest
