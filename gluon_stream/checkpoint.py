@@ -18,20 +18,26 @@ conventions, as a JSON file beside the parameters with a matching name:
 States are taken where the loop stands: after a batch (mid-epoch, or "end of epoch e" after
 its last batch: the next pass yields nothing more of epoch e, the pass after is e + 1), or
 after a pass ended (epoch e + 1 from its start). Either way every sample comes exactly once.
-State files are written atomically (a temporary file renamed into place); a missing or
+In a job of several ranks each rank writes its own state, ``{prefix}.rank{r}of{N}.loader.json``;
+a resume on the same number of ranks loads its own, and one on another number of ranks merges
+them all (:func:`~gluon_stream.merge_states`: an elastic resume, exact over the interrupted
+epoch). State files are written atomically (a temporary file renamed into place); a missing or
 unreadable one is an :class:`~gluon_stream.InvalidState` naming the file.
 """
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
+import re
 import tempfile
 from typing import Any, Callable
 
 from ._utils import validate as _validate
 from ._mx import mxnet_available, import_mxnet
 from ._mx.estimator import fit_handlers
+from .elastic import merge_states
 from .errors import CheckpointConflict, InvalidState
 from .loader import StreamLoader
 from ._utils.files import remove_if_exists
@@ -54,8 +60,17 @@ def _check_loader(loader: Any) -> StreamLoader:
     return loader
 
 
+def _rank_path(path: str, rank: int, parts: int) -> str:
+    """A rank's state file of a checkpoint whose (one-rank) state file is ``path``."""
+    return f"{path[:-len(STATE_SUFFIX)]}.rank{rank}of{parts}{STATE_SUFFIX}"
+
+
 def _save_state(loader: StreamLoader, path: str) -> None:
-    """Write ``loader.state_dict()`` to ``path`` as JSON, atomically (temp file + rename)."""
+    """Write ``loader.state_dict()`` to ``path`` (its rank's file in a job of several ranks) as
+    JSON, atomically (temp file + rename)."""
+    stream = loader.stream
+    if stream.num_parts > 1:
+        path = _rank_path(path, stream.part_index, stream.num_parts)
     text = json.dumps(loader.state_dict(), indent=1, sort_keys=True)
     directory, base = os.path.split(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory or ".")
@@ -71,11 +86,43 @@ def _save_state(loader: StreamLoader, path: str) -> None:
     logger.debug("loader state saved to %s", path)
 
 
-def _restore_state(loader: StreamLoader, path: str) -> None:
-    """``loader.load_state_dict`` from the JSON file at ``path``; InvalidState names the file."""
+def _saved_states(loader: StreamLoader, path: str) -> tuple[Any, str]:
+    """The state ``loader`` resumes from, of the checkpoint whose one-rank state file is
+    ``path``: its own rank's, or the merge of every rank's where the job had another number
+    of ranks (and the files it was read from, for messages)."""
+    stream = loader.stream
+    pattern = re.compile(re.escape(path[:-len(STATE_SUFFIX)]) + r"\.rank(\d+)of(\d+)"
+                         + re.escape(STATE_SUFFIX) + "$")
+    found = {}
+    for name in glob.glob(glob.escape(path[:-len(STATE_SUFFIX)]) + ".rank*of*" + STATE_SUFFIX):
+        match = pattern.match(name)
+        if match:
+            found[name] = (int(match.group(1)), int(match.group(2)))
+    if not found:
+        state = _read_state(path)
+        return (state if stream.num_parts == 1 else _merged([state], path)), path
+    own = _rank_path(path, stream.part_index, stream.num_parts)
+    if own in found and all(parts == stream.num_parts for _, parts in found.values()):
+        return _read_state(own), own
+    names = sorted(found, key=found.__getitem__)
+    where = f"{len(names)} rank state files {names[0]!r}..."
+    merged = _merged([_read_state(name) for name in names], where)
+    logger.info("elastic resume: the states of %d rank(s) merged for rank %d of %d", len(names),
+                stream.part_index, stream.num_parts)
+    return merged, where
+
+
+def _merged(states: list, where: str) -> dict:
+    try:
+        return merge_states(states)
+    except InvalidState as exc:
+        raise InvalidState(f"{where}: {exc}") from exc
+
+
+def _read_state(path: str) -> Any:
     try:
         with open(path, encoding="utf-8") as fp:
-            state = json.load(fp)
+            return json.load(fp)
     except FileNotFoundError:
         raise InvalidState(
             f"no loader state at {path!r}: the checkpoint beside it was saved without the "
@@ -84,6 +131,12 @@ def _restore_state(loader: StreamLoader, path: str) -> None:
             "files), or start the loader afresh") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidState(f"cannot read the loader state {path!r}: {exc}") from exc
+
+
+def _restore_state(loader: StreamLoader, path: str) -> None:
+    """``loader.load_state_dict`` from the JSON file at ``path`` (or the files of every rank
+    beside it, merged where the job had another number of ranks); InvalidState names it."""
+    state, path = _saved_states(loader, path)
     try:
         loader.load_state_dict(state)
     except InvalidState as exc:
