@@ -288,3 +288,50 @@ def test_merge_cost_for_64_ranks():
           f"{statistics.median(merge_ms):.2f} ms; load_state_dict of the merge on a rank of 48: "
           f"median {statistics.median(load_ms):.2f} ms; {len(json.dumps(merged))} bytes of JSON")
     assert count == (256 * 50 - 64 * 8) // 48 // 8  # every rank an equal share of the rest
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+def test_do_checkpoint_writes_every_rank_and_merges_on_another_world_size(tmp_path):
+    import mxnet as mx
+
+    def shard(key):
+        return np.arange(10 + 3 * key, dtype="float32") + 100 * key
+
+    def loader(parts, rank):
+        return gs.StreamLoader(gs.FunctionSource(range(5), shard), batch_size=4, shuffle=True,
+                               seed=0, num_parts=parts, part_index=rank)
+
+    sym = mx.sym.FullyConnected(mx.sym.var("data"), num_hidden=1, name="fc")
+    params = {"fc_weight": mx.nd.ones((1, 1)), "fc_bias": mx.nd.zeros((1,))}
+    prefix = str(tmp_path / "net")
+    trained, after = [], {}
+    for rank in range(2):  # 2 ranks checkpoint after 2 batches
+        old = loader(2, rank)
+        batches = iter(old)
+        trained += [v for _ in range(2) for v in next(batches).asnumpy().tolist()]
+        gs.do_checkpoint(prefix, old)(0, sym, params, {})
+        after[rank] = next(batches).asnumpy().tolist()
+        old.close()
+    files = sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".loader.json"))
+    assert files == ["net-0001.rank0of2.loader.json", "net-0001.rank1of2.loader.json"]
+    same = loader(2, 1)  # the same world size: the rank's own state
+    try:
+        gs.load_checkpoint(prefix, 1, same)
+        assert next(iter(same)).asnumpy().tolist() == after[1]
+    finally:
+        same.close()
+    for rank in range(3):  # another: every rank's, merged
+        new = loader(3, rank)
+        try:
+            gs.load_checkpoint(prefix, 1, new)
+            trained += [v for b in new for v in b.asnumpy().tolist()]
+        finally:
+            new.close()
+    assert sorted(trained) == sorted(v for k in range(5) for v in shard(k).tolist())
+    (tmp_path / files[1]).unlink()
+    new = loader(3, 0)
+    try:
+        with pytest.raises(gs.InvalidState, match=r"rank state files .*rank 1 of 2 is missing"):
+            gs.load_checkpoint(prefix, 1, new)
+    finally:
+        new.close()
