@@ -15,8 +15,9 @@ from ._pipeline.batching import Position
 from ._pipeline.remainder import Remainder, resolve
 from ._pipeline.state import STATE_VERSION, LoaderState, checksum, verify
 from .errors import InvalidState
+from .stream import ShardStream
 
-__all__ = ["FIXED_SETTINGS", "load_merged", "merge_states"]
+__all__ = ["FIXED_SETTINGS", "load_any", "load_merged", "merge_states", "remainder_fields"]
 
 #: Settings an elastic resume keeps (the world size, ``batch_size`` and ``num_workers`` may
 #: change; the deal of the shards follows the world size).
@@ -101,6 +102,41 @@ def load_merged(state: Mapping[str, Any], settings: Mapping[str, Any],
         return LoaderState(Position(epoch, end=True)), None
     remainder = resolve(state["elastic"], keys_of)
     return LoaderState(Position(epoch)), remainder
+
+
+def load_any(state: Any, settings: Mapping[str, Any], stream: ShardStream,
+             decode: Callable[[], LoaderState]) -> LoaderState:
+    """Where a loader starts from ``state``: a merged state, a state saved while reading a
+    remainder (installed on ``stream`` for it), or a rank's plain state (``decode`` decodes
+    those). A refused state leaves the stream's remainder as it was."""
+    def dealt(epoch: int, parts: int, part: int, deal: str) -> list:
+        return stream.dealt_keys(epoch, parts, part, deal, settings["seed"])
+
+    before = stream.remainder
+    try:
+        if isinstance(state, Mapping) and "elastic" in state:
+            start, remainder = load_merged(state, settings, dealt)
+            stream.set_remainder(remainder)
+            return start
+        if isinstance(state, Mapping) and "remainder" in state:
+            verify(state)
+            stream.set_remainder(resolve(state["remainder"], dealt))
+        else:
+            stream.set_remainder(None)
+        return decode()
+    except BaseException:
+        stream.set_remainder(before)
+        raise
+
+
+def remainder_fields(stream: ShardStream, epoch: int) -> dict | None:
+    """What a state saved in ``epoch`` holds of the remainder ``stream`` reads (None: none
+    it needs): its spec, and the stride each piece gave this rank (a merge needs them)."""
+    remainder = stream.remainder
+    if remainder is None or epoch > remainder.epoch + 1:
+        return None
+    turns = [stream.sizes.rows_before(remainder.epoch, k) for k in range(len(remainder.pieces))]
+    return {"remainder": dict(remainder.spec, turns=turns)}
 
 
 def _by_rank(states: list) -> list:

@@ -37,9 +37,8 @@ from .errors import LoaderClosed, SizeUnknown
 from ._pipeline.batch_paths import SamplePath, SlicePath
 from ._utils.retry import OnError
 from .sources import Source
-from ._pipeline.state import LoaderState, decode_state, encode_state, verify
-from ._pipeline.remainder import resolve
-from .elastic import load_merged
+from ._pipeline.state import decode_state, encode_state
+from .elastic import load_any, remainder_fields
 from ._pipeline.starts import PassStarts
 from ._pipeline.counts import BatchCounts
 from .stats import Stats
@@ -310,14 +309,10 @@ class StreamLoader(Closing):
         """
         state = self._starts.current()
         position = state.position
-        stream, remainder = self.stream, self.stream.remainder
-        extra = None
-        if remainder is not None and position.epoch <= remainder.epoch + 1:
-            turns = [stream.sizes.rows_before(remainder.epoch, k)
-                     for k in range(len(remainder.pieces))]
-            extra = {"remainder": dict(remainder.spec, turns=turns)}
-        return encode_state(state, self._settings_saved(), stream.epoch_keys(position.epoch)[2],
-                            stream.kept_key(position.epoch, position.unit), extra)
+        return encode_state(state, self._settings_saved(),
+                            self.stream.epoch_keys(position.epoch)[2],
+                            self.stream.kept_key(position.epoch, position.unit),
+                            remainder_fields(self.stream, position.epoch))
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict` of a loader built with the same arguments.
@@ -336,31 +331,12 @@ class StreamLoader(Closing):
         adopt = seed is not None and not self.stream.seed_given and _validate.is_int(seed)
         if adopt:
             settings["seed"] = seed
-        decoded = self._load(state, settings)
+        decoded = load_any(state, settings, self.stream, lambda: decode_state(
+            state, settings, self.batch_size,
+            lambda epoch: self._keys_with_seed(epoch, settings["seed"]), self.stream.key_at))
         if adopt and seed is not None:
             self.stream.adopt_seed(int(seed))
         self._starts.load(decoded)
-
-    def _load(self, state: Mapping[str, Any], settings: dict) -> LoaderState:
-        """The state decoded, with the remainder it reads installed on the stream (a merged
-        state of an elastic resume, or a state saved while reading one)."""
-        stream = self.stream
-
-        def dealt(epoch: int, parts: int, part: int, deal: str) -> list:
-            return stream.dealt_keys(epoch, parts, part, deal, settings["seed"])
-
-        if isinstance(state, Mapping) and "elastic" in state:
-            start, remainder = load_merged(state, settings, dealt)
-            stream.set_remainder(remainder)
-            return start
-        if isinstance(state, Mapping) and "remainder" in state:
-            verify(state)
-            stream.set_remainder(resolve(state["remainder"], dealt))
-        else:
-            stream.set_remainder(None)
-        return decode_state(state, settings, self.batch_size,
-                            lambda epoch: self._keys_with_seed(epoch, settings["seed"]),
-                            stream.key_at)
 
     def _keys_with_seed(self, epoch: int, seed: int) -> list | None:
         return self.stream.epoch_keys(epoch, seed=seed)[2]
