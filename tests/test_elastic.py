@@ -335,3 +335,76 @@ def test_do_checkpoint_writes_every_rank_and_merges_on_another_world_size(tmp_pa
             gs.load_checkpoint(prefix, 1, new)
     finally:
         new.close()
+
+
+# -- sources and failures ----------------------------------------------------------------------
+def _mix(weights):
+    a = gs.FunctionSource(range(4), lambda k: np.arange(7.0) + 100 * k)
+    b = gs.FunctionSource(range(3), lambda k: np.arange(5.0) + 1000 + 100 * k)
+    return gs.MixSource({"a": a, "b": b}, weights=weights, shards_per_epoch=6, seed=3)
+
+
+def _rows(loader, stop=None):
+    out = []
+    for batch in loader:
+        out += batch.asnumpy().tolist()
+        if stop is not None and len(out) >= stop:
+            break
+    return out
+
+
+def test_a_mix_resumed_on_another_world_size_and_a_changed_mix_refused():
+    def loader(parts, rank, weights=None):
+        return gs.StreamLoader(_mix(weights or {"a": 1, "b": 2}), batch_size=3, shuffle=True,
+                               seed=0, num_parts=parts, part_index=rank)
+
+    whole = []
+    for rank in range(2):  # what a 2-rank epoch 0 trains, as a multiset
+        full = loader(2, rank)
+        whole += _rows(full)
+        full.close()
+    trained, states = [], []
+    for rank in range(2):
+        old = loader(2, rank)
+        trained += _rows(old, stop=3)
+        states.append(old.state_dict())
+        old.close()
+    merged = gs.merge_states(states)
+    for rank in range(3):
+        new = loader(3, rank)
+        new.load_state_dict(merged)
+        trained += _rows(new)
+        new.close()
+    assert sorted(trained) == sorted(whole)  # each sample of the mix's epoch once
+    other = loader(3, 0, weights={"a": 2, "b": 1})
+    try:
+        with pytest.raises(gs.InvalidState, match="field 'keys'"):
+            other.load_state_dict(merged)
+    finally:
+        other.close()
+
+
+def test_failing_shards_skipped_before_and_after_a_resize():
+    def shard(key):
+        if key == 3:
+            raise RuntimeError("shard 3 cannot be made")
+        return np.arange(9.0) + 100 * key
+
+    def loader(parts, rank):
+        return gs.StreamLoader(gs.FunctionSource(range(8), shard), batch_size=4, shuffle=True,
+                               seed=1, num_parts=parts, part_index=rank, on_error="skip")
+
+    trained, states = [], []
+    for rank in range(3):
+        old = loader(3, rank)
+        trained += _rows(old, stop=4)
+        states.append(old.state_dict())
+        old.close()
+    merged = gs.merge_states(states)
+    for rank in range(2):
+        new = loader(2, rank)
+        new.load_state_dict(merged)
+        trained += _rows(new)
+        new.close()
+    expected = [v for k in range(8) if k != 3 for v in (np.arange(9.0) + 100 * k).tolist()]
+    assert sorted(trained) == sorted(expected)
