@@ -401,8 +401,8 @@ class EpochPass:
         """even_batches='pad': the largest part's samples in the shards before position
         ``before`` (those a resume does not produce again)."""
         lead = self.even.lead if self.even is not None else 0
-        share, epoch = self.stream.sizes.unit_share, self.start.position.epoch
-        return lead + sum(share(epoch, j, n, 0) for j, n in self._full_sizes.items() if j < before)
+        share, epoch = self.stream.sizes.largest_share, self.start.position.epoch
+        return lead + sum(share(epoch, j, n) for j, n in self._full_sizes.items() if j < before)
 
     def _repeat(self, even: EvenBatches, delivered: int, count: int, run: EpochRun,
                 record: EpochRecord, stop: Position) -> Iterator[Any]:

@@ -83,6 +83,13 @@ class ShardSizes:
                                self.part_index if part is None else part, self.deal,
                                self.rows_before(epoch, index))
 
+    def largest_share(self, epoch: int, index: int, full: int) -> int:
+        """The most samples any part takes of the shard at position ``index`` of ``epoch``
+        holding ``full`` (part 0's, but for a remainder's pieces, whose strides turn)."""
+        if self._remainder_of(epoch) is None:
+            return self.part_share(full, 0)
+        return max(self.unit_share(epoch, index, full, p) for p in range(self.num_parts))
+
     def rows_before(self, epoch: int, index: int) -> int | None:
         """An elastic resume's remainder: the rows left in its pieces before piece ``index``,
         where every rank knows them alike (declared sizes, or the source's, without a
