@@ -408,3 +408,38 @@ def test_failing_shards_skipped_before_and_after_a_resize():
         new.close()
     expected = [v for k in range(8) if k != 3 for v in (np.arange(9.0) + 100 * k).tolist()]
     assert sorted(trained) == sorted(expected)
+
+
+def _plus_zero(x):
+    return x
+
+
+def test_num_workers_may_change_at_a_resize():
+    """Slices on 2 ranks, then per-sample work in 2 worker processes on each of 3 ranks."""
+    def loader(parts, rank, **kw):
+        return gs.StreamLoader(gs.FunctionSource(range(6), lambda k: np.arange(11.0) + 100 * k),
+                               batch_size=4, shuffle=True, seed=5, num_parts=parts,
+                               part_index=rank, even_batches="pad", **kw)
+
+    trained, states = [], []
+    for rank in range(2):
+        old = loader(2, rank)
+        batches = iter(old)
+        trained += [v for _ in range(2) for v in next(batches).asnumpy().tolist()]
+        states.append(old.state_dict())
+        old.close()
+    merged = gs.merge_states(states)
+    counts = []
+    for rank in range(3):
+        new = loader(3, rank, sample_transform=_plus_zero, num_workers=2)
+        try:
+            new.load_state_dict(merged)
+            count = 0
+            for batch in new:
+                trained += batch.asnumpy()[:4 - new.pad].tolist()
+                count += 1
+            counts.append(count)
+        finally:
+            new.close()
+    assert len(set(counts)) == 1, counts
+    assert sorted(trained) == sorted(v for k in range(6) for v in (np.arange(11.0) + 100 * k))
