@@ -70,6 +70,10 @@ NOT_FAST = {
     "test_drop_in.py": (
         "test_a_gluoncv_cifar_style_training_loop",
     ),
+    "test_elastic.py": (
+        "test_resized_twice_every_sample_once",
+    ),
+    "test_elastic_kvstore.py": EVERY_TEST,
     "test_endless_resume.py": (
         "test_a_state_resumes_exactly_in_a_new_process_that_builds_its_keys_anew",
         "test_the_shard_each_state_resumes_in_is_not_the_first_one",
