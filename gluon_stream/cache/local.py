@@ -45,7 +45,6 @@ import contextlib
 import errno
 import fcntl
 import glob
-import json
 import logging
 import os
 import re
@@ -55,7 +54,6 @@ import time
 import uuid
 from typing import Any, Callable, Iterator, Mapping
 
-from .._utils import validate as _validate
 from .._utils.closing import WAIT_SLICE_S
 from ..errors import CacheFull, CorruptShard, LoaderClosed, ShardError, StaleShard, UnsafeShard
 from .._utils.files import TEMP_MARKER, discard_path, remove_if_exists
@@ -64,6 +62,7 @@ from .base import Create, Recipe
 from .evict import CacheLimit, evict_if_unread, evict_lru
 from .lock import LOCK_SUFFIX, exclusive, remove_if_unheld
 from .recipe import describe_change, normalized, read_recipe, write_recipe
+from .recorded import add_sizes, read_sizes
 
 __all__ = ["EVICT_LOCK", "FUTURE_SLACK_S", "LocalShardCache", "ON_CHANGE", "RESERVATION", "ROOM_POLL_S",
            "SUFFIXES", "WAIT_SLICE_S"]
@@ -78,8 +77,6 @@ FUTURE_SLACK_S = 5.0  # a last-used time further ahead than this is a skewed clo
 ON_CHANGE = ("regenerate", "raise")
 _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 
-
-SIZES_FILE = ".gluon_stream-sizes.json"  # sizes recorded by gluon-stream generate
 
 class LocalShardCache:
     """Finished shards in ``cache_dir``; one process generates a key at a time.
@@ -284,34 +281,12 @@ class LocalShardCache:
     def recorded_sizes(self) -> dict[str, dict]:
         """Shard name -> ``{"samples": n, "recipe": digest}``, as ``gluon-stream generate``
         recorded them when it filled this cache ahead (empty if it never did)."""
-        path = os.path.join(self.root, SIZES_FILE)
-        try:
-            with open(path, encoding="utf-8") as fp:
-                data = json.load(fp)
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as exc:  # the sizes then count as unknown
-            logger.warning("cannot read %s (%s): shard sizes are unknown until produced", path,
-                           exc)
-            return {}
-        shards = data.get("shards") if isinstance(data, dict) else None
-        if not isinstance(shards, dict):
-            logger.warning("%s holds no shard sizes; ignoring it", path)
-            return {}
-        return {name: entry for name, entry in shards.items() if isinstance(entry, dict)
-                and _validate.is_int(entry.get("samples")) and entry["samples"] >= 0}
+        return read_sizes(self.root)
 
     def record_sizes(self, sizes: Mapping[str, Mapping[str, Any]]) -> None:
         """Add ``sizes`` (as :meth:`recorded_sizes` gives them) to the record, written whole
         and atomically: a reader sees the record before or after, never a part."""
-        merged = {**self.recorded_sizes(), **sizes}
-        tmp = self.temp_path("sizes", ".json")
-        try:
-            with open(tmp, "w", encoding="utf-8") as fp:
-                json.dump({"version": 1, "shards": merged}, fp, sort_keys=True)
-            os.replace(tmp, os.path.join(self.root, SIZES_FILE))
-        finally:
-            remove_if_exists(tmp)
+        add_sizes(self.root, sizes, self.temp_path("sizes", ".json"))
 
     # -- making shards ---------------------------------------------------------------------
     def temp_path(self, name: str, suffix: str) -> str:
