@@ -44,10 +44,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import glob
 import logging
 import os
-import re
 import stat
 import threading
 import time
@@ -56,11 +54,12 @@ from typing import Any, Callable, Iterator, Mapping
 
 from .._utils.closing import WAIT_SLICE_S
 from ..errors import CacheFull, CorruptShard, LoaderClosed, ShardError, StaleShard, UnsafeShard
-from .._utils.files import TEMP_MARKER, discard_path, remove_if_exists
+from .._utils.files import TEMP_MARKER, remove_if_exists
 from ..shardfile import inspect_shard, open_regular
 from .base import Create, Recipe
 from .evict import CacheLimit, evict_if_unread, evict_lru
-from .lock import LOCK_SUFFIX, exclusive, remove_if_unheld
+from .leftovers import remove_leftovers
+from .lock import LOCK_SUFFIX, exclusive
 from .recipe import describe_change, normalized, read_recipe, write_recipe
 from .recorded import add_sizes, read_sizes
 
@@ -121,8 +120,7 @@ class LocalShardCache:
                             "shards in it as they are (no cleanup, no LRU updates, no eviction); "
                             "a shard missing from it cannot be generated", self.root)
             return
-        self._remove_stale_temps()
-        self._remove_stale_locks()
+        remove_leftovers(self.root)
 
     def __getstate__(self) -> dict:
         """Picklable (for a remote executor): the closed flag stays with this process."""
@@ -560,31 +558,3 @@ class LocalShardCache:
 
     def _try_evict(self, path: str) -> bool:
         return evict_if_unread(path)
-
-    # -- what crashed runs left behind ---------------------------------------------------------
-    def _remove_stale_temps(self) -> None:
-        """Delete temp files left by crashed runs (their writer's pid is gone)."""
-        for path in glob.glob(os.path.join(glob.escape(self.root), f".*{TEMP_MARKER}*")):
-            match = re.search(r"\.(\d+)\.[^.]+" + re.escape(TEMP_MARKER), os.path.basename(path))
-            if match and _pid_alive(int(match.group(1))):
-                continue
-            if not match and os.path.isdir(path):
-                continue  # not a temp path of ours: a directory is only removed when it is
-            logger.info("removing temp file %s left by a crashed run", path)
-            discard_path(path)  # a generator may have made a directory at its temp path
-
-    def _remove_stale_locks(self) -> None:
-        """Delete lock files nobody holds (their holder was killed); held ones are left alone."""
-        for path in glob.glob(os.path.join(glob.escape(self.root), f".*{LOCK_SUFFIX}")):
-            if remove_if_unheld(path):
-                logger.info("removed lock file %s left by a crashed run", path)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
