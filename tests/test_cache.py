@@ -871,3 +871,40 @@ def test_a_shard_evicted_between_its_lookup_and_its_recipe_is_made_again(tmp_pat
     with gs.ShardStream(gs.FunctionSource(["a"], fn, cache_dir=tmp_path)) as stream:
         assert [len(s) for s in stream] == [3]
     assert vanished and made == ["a", "a"]
+
+
+_PICKLED_CACHE_CHILD = """
+import os, pickle, sys
+import numpy as np
+cache = pickle.loads(sys.stdin.buffer.read())
+def make(name):
+    def create():
+        tmp = cache.temp_path(name, ".npy")
+        np.save(tmp, np.arange(3, dtype=np.int64))
+        return tmp
+    return create
+hits = [cache.get_or_create(key, make(key))[1] for key in ("a", "b")]
+print(hits, sorted(os.listdir(cache.root)))
+"""
+
+
+def test_a_pickled_cache_keeps_its_limit_in_another_process(tmp_path):
+    """A cache travels to a remote executor's worker by pickle: there it still evicts to stay
+    within cache_limit (the room it holds comes along), and its closed flag is a fresh one."""
+    import pickle
+
+    cache = LocalShardCache(tmp_path / "c", lock_timeout=10, limit=1)
+    with cache.pinned("a", lambda: _saved(cache, "a")) as (_, hit):
+        assert not hit
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+        os.path.dirname(os.path.dirname(gs.__file__)), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", _PICKLED_CACHE_CHILD], input=pickle.dumps(cache),
+                          capture_output=True, env=env, timeout=120, check=True)
+    assert done.stdout.decode().split() == ["[True,", "False]", "['b.npy']"]
+    assert sorted(os.listdir(cache.root)) == ["b.npy"]
+
+
+def _saved(cache: LocalShardCache, name: str) -> str:
+    tmp = cache.temp_path(name, ".npy")
+    np.save(tmp, np.arange(3, dtype=np.int64))
+    return tmp

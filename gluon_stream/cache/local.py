@@ -18,8 +18,9 @@ of the old file keep their open copy) with a WARNING naming the change, or raise
 older version, copied without extended attributes) is served as it is, with one WARNING per
 cache; a file system without extended attributes gets one WARNING and no detection.
 
-With ``cache_limit``, room is made *before* a shard is generated, under the eviction lock
-that every generating process takes (as MosaicML's streaming evicts before it downloads): the
+With ``cache_limit``, room is made *before* a shard is generated (see :mod:`.room`, whose
+:class:`~.room.CacheRoom` this cache holds), under the eviction lock that every generating
+process takes (as MosaicML's streaming evicts before it downloads): the
 least recently used shards that nobody has pinned are evicted until the published shards, the
 ones being made and the new one fit, and a reservation (``.<key>.<pid>.<rand>.tmp.room``, an
 empty file) says that a shard is being made; at publication room is checked again with the
@@ -53,24 +54,23 @@ import uuid
 from typing import Any, Callable, Iterator, Mapping
 
 from .._utils.closing import WAIT_SLICE_S
-from ..errors import CacheFull, CorruptShard, LoaderClosed, ShardError, StaleShard, UnsafeShard
+from ..errors import CorruptShard, ShardError, StaleShard, UnsafeShard
 from .._utils.files import TEMP_MARKER, remove_if_exists
 from ..shardfile import inspect_shard, open_regular
 from .base import Create, Recipe
-from .evict import CacheLimit, evict_if_unread, evict_lru
+from .evict import CacheLimit, evict_if_unread
 from .leftovers import remove_leftovers
 from .lock import LOCK_SUFFIX, exclusive
 from .recipe import describe_change, normalized, read_recipe, write_recipe
 from .recorded import add_sizes, read_sizes
+from .room import RESERVATION, CacheRoom
 
-__all__ = ["EVICT_LOCK", "FUTURE_SLACK_S", "LocalShardCache", "ON_CHANGE", "RESERVATION", "ROOM_POLL_S",
+__all__ = ["EVICT_LOCK", "FUTURE_SLACK_S", "LocalShardCache", "ON_CHANGE", "RESERVATION",
            "SUFFIXES", "WAIT_SLICE_S"]
 
 logger = logging.getLogger(__name__)
 
 SUFFIXES = (".npy", ".npz")
-RESERVATION = ".room"  # suffix of the empty file that stands for a shard being made
-ROOM_POLL_S = 0.02  # how often a publisher waiting for room looks for a released shard
 EVICT_LOCK = "cache-evict"
 FUTURE_SLACK_S = 5.0  # a last-used time further ahead than this is a skewed clock or a backup
 ON_CHANGE = ("regenerate", "raise")
@@ -105,6 +105,7 @@ class LocalShardCache:
         if on_change not in ON_CHANGE:
             raise ValueError(f"on_change must be 'regenerate' or 'raise', got {on_change!r}")
         self.limit = CacheLimit.parse(limit)
+        self._room = CacheRoom(self.limit)  # room within the limit, for the shards made here
         self.on_change = on_change
         self.root = os.path.realpath(os.fspath(cache_dir))
         os.makedirs(self.root, exist_ok=True)
@@ -112,13 +113,11 @@ class LocalShardCache:
         self.closed = closed if closed is not None else threading.Event()
         self._told: set[str] = set()  # one-time log lines already written
         self._told_lock = threading.Lock()
-        self._largest = 0  # bytes of the largest shard seen: what a shard being made may take
-        self._reserved: dict[str, str] = {}  # key -> its reservation, while this process makes it
         self.read_only = not os.access(self.root, os.W_OK)
         if self.read_only:
-            self._tell_once("read-only", logging.INFO, "cache_dir %s is read-only: serving the "
-                            "shards in it as they are (no cleanup, no LRU updates, no eviction); "
-                            "a shard missing from it cannot be generated", self.root)
+            self.tell_once("read-only", logging.INFO, "cache_dir %s is read-only: serving the "
+                           "shards in it as they are (no cleanup, no LRU updates, no eviction); "
+                           "a shard missing from it cannot be generated", self.root)
             return
         remove_leftovers(self.root)
 
@@ -133,8 +132,9 @@ class LocalShardCache:
         self.closed = threading.Event()
         self._told_lock = threading.Lock()
 
-    def _tell_once(self, what: str, level: int, message: str, *args: Any) -> bool:
-        """Log ``message`` the first time ``what`` happens in this cache; True if it was logged."""
+    def tell_once(self, what: str, level: int, message: str, *args: Any) -> bool:
+        """Log ``message`` the first time ``what`` happens in this cache; True if it was logged
+        (once per cache: its :class:`~.room.CacheRoom` says it is full this way too)."""
         with self._told_lock:
             if what in self._told:
                 return False
@@ -194,10 +194,10 @@ class LocalShardCache:
             raise StaleShard(f"cached shard {path!r} was made by a different recipe ({change}); "
                              "delete it, restore what made it, or pass on_change='regenerate'",
                              path=path, key=name, change=change)
-        if not self._tell_once(f"stale:{change}", logging.WARNING,
-                               "cached shard %s was made by a different recipe (%s): "
-                               "regenerating it (on_change='raise' refuses instead; further "
-                               "shards with this change are logged at INFO)", path, change):
+        if not self.tell_once(f"stale:{change}", logging.WARNING,
+                              "cached shard %s was made by a different recipe (%s): "
+                              "regenerating it (on_change='raise' refuses instead; further "
+                              "shards with this change are logged at INFO)", path, change):
             logger.info("cached shard %s is stale (%s): regenerating it", path, change)
         return None
 
@@ -206,11 +206,11 @@ class LocalShardCache:
         return read_recipe(path)
 
     def _note_unrecorded(self, path: str) -> None:
-        self._tell_once("unrecorded", logging.WARNING,
-                        "cached shard %s carries no record of what made it (an older "
-                        "gluon_stream, a copy without extended attributes, or a file system "
-                        "without them): serving it and others like it as they are; delete the "
-                        "cache if the generator changed since", path)
+        self.tell_once("unrecorded", logging.WARNING,
+                       "cached shard %s carries no record of what made it (an older "
+                       "gluon_stream, a copy without extended attributes, or a file system "
+                       "without them): serving it and others like it as they are; delete the "
+                       "cache if the generator changed since", path)
 
     def _pin(self, path: str) -> Any:
         """Keep a finished shard from eviction (a shared lock on its file) until ``_unpin``;
@@ -260,9 +260,9 @@ class LocalShardCache:
         except OSError as exc:
             if exc.errno not in _READ_ONLY:
                 raise
-            self._tell_once("no-utime", logging.INFO, "cannot update the last-used time of "
-                            "shards in %s (%s): they are served, but LRU eviction goes by when "
-                            "they were made", self.root, exc.strerror)
+            self.tell_once("no-utime", logging.INFO, "cannot update the last-used time of "
+                           "shards in %s (%s): they are served, but LRU eviction goes by when "
+                           "they were made", self.root, exc.strerror)
 
     def num_samples(self, name: str, recipe: Recipe = None) -> int | None:
         """Samples of a cached shard from its header, or None if it is not cached (or stale)."""
@@ -389,20 +389,14 @@ class LocalShardCache:
     def _reserve(self, name: str) -> str | None:
         """With ``cache_limit``, make room for the shard ``name`` before it is made and leave a
         reservation that other generations count until it is published; its path, or None."""
-        if not self.limit.bounded:
+        if not self._room.bounded:
             return None
-        with self._room_for(name, self._largest, replacing=False):
-            reservation = self.temp_path(name, RESERVATION)
-            with open(reservation, "x", encoding="utf-8"):
-                pass
-            self._reserved[name] = reservation
-            return reservation
+        with self._room_for(name, self._room.largest, replacing=False):
+            return self._room.reserve(name, self.temp_path(name, RESERVATION))
 
     def _release(self, name: str, reservation: str | None) -> None:
         """Drop the reservation of ``name`` (published, or given up)."""
-        if reservation is not None:
-            self._reserved.pop(name, None)
-            remove_if_exists(reservation)
+        self._room.release(name, reservation)
 
     @contextlib.contextmanager
     def _locked(self, name: str, timed_out: Callable[[], BaseException]) -> Iterator[None]:
@@ -418,7 +412,7 @@ class LocalShardCache:
     def _lock_timeout_error(self, name: str) -> ShardError:
         if name == EVICT_LOCK:
             return ShardError(
-                f"waited {self.lock_timeout:g} s for the eviction lock of {self._where()} (lock "
+                f"waited {self.lock_timeout:g} s for the eviction lock of {self.where()} (lock "
                 f"{self.lock_path(name)}), held by another process making room; raise "
                 "lock_timeout, or remove the lock file if no gluon_stream process is running")
         return ShardError(
@@ -437,10 +431,10 @@ class LocalShardCache:
         except (OSError, NotImplementedError) as exc:
             if isinstance(exc, OSError) and exc.errno == errno.ENOENT:
                 raise
-            self._tell_once("no-xattr", logging.WARNING,
-                            "cannot record what made the shards in %s (%s): a changed command, "
-                            "env= or version= will not be detected there; delete the cache "
-                            "yourself when the generator changes", self.root, exc)
+            self.tell_once("no-xattr", logging.WARNING,
+                           "cannot record what made the shards in %s (%s): a changed command, "
+                           "env= or version= will not be detected there; delete the cache "
+                           "yourself when the generator changes", self.root, exc)
 
     def _publish(self, tmp: str, name: str) -> tuple[str, Any]:
         """Move a finished, validated temp file into place, pinned, after making room for it
@@ -464,7 +458,7 @@ class LocalShardCache:
         """With ``cache_limit``, hold the eviction lock with room made for one more shard of
         ``size`` bytes, so what the with-block publishes keeps the cache within the limit
         (``replacing``: the shard then replaces a cached shard of the same key)."""
-        if not self.limit.bounded:
+        if not self._room.bounded:
             yield
             return
         with self._locked(EVICT_LOCK, lambda: self._lock_timeout_error(EVICT_LOCK)):
@@ -480,51 +474,18 @@ class LocalShardCache:
                 remove_if_exists(self._final(name, other))
         return final
 
-    # -- bounding the cache ------------------------------------------------------------------
+    # -- bounding the cache: what its CacheRoom asks of it (room.Shelf) ----------------------
     def _make_room(self, name: str, size: int, replacing: bool = True) -> None:
-        """Evict least recently used, unpinned shards until one more of ``size`` bytes fits
-        beside the shards other generations are making (each counted as the largest seen).
-
-        Called under the eviction lock. While every shard that would have to go is pinned,
-        waits for one to be released, at most ``lock_timeout``.
-        """
-        if self.limit.max_bytes is not None and size > self.limit.max_bytes:
-            raise CacheFull(f"shard {name!r} is {size} bytes, more than cache_limit "
-                             f"({self.limit}) allows in all; raise cache_limit", key=name)
+        """Make room for one more shard of ``size`` bytes (see :meth:`CacheRoom.make`);
+        ``replacing``: it replaces the cached shard of the same key, which then does not count."""
         replaced = {self._final(name, suffix) for suffix in SUFFIXES} if replacing else set()
-        deadline = time.monotonic() + self.lock_timeout
-        while True:
-            shards = [s for s in self._listing() if s[1] not in replaced]
-            self._largest = max([self._largest, size] + [s[2] for s in shards])
-            making = self._reservations(besides=self._reserved.get(name))
-            incoming = (1 + making, size + making * self._largest)
-            if evict_lru(shards, self.limit, self._try_evict, incoming=incoming):
-                return
-            if time.monotonic() >= deadline:
-                raise CacheFull(
-                    f"shard {name!r}: cache_limit ({self.limit}) leaves no room for it: the "
-                    f"{len(shards)} shards in {self._where()} stayed pinned (being read, or "
-                    f"made and not yet read) for lock_timeout={self.lock_timeout:g} s; raise "
-                    "cache_limit above the number of shards read at once", key=name)
-            self._tell_once("full", logging.INFO,
-                            "cache_limit (%s): every shard in %s that could make room for %r is "
-                            "being read or was just made; waiting for one to be released (at "
-                            "most lock_timeout=%g s)", self.limit, self._where(), name,
-                            self.lock_timeout)
-            if self.closed.wait(ROOM_POLL_S):
-                raise LoaderClosed(f"closed while waiting for room for shard {name!r}")
+        self._room.make(self, name, size, replaced)
 
-    def _reservations(self, besides: str | None) -> int:
-        """How many shards are being made here (by any process on this host), but ``besides``."""
-        with os.scandir(self.root) as entries:
-            return sum(1 for entry in entries if entry.name.endswith(TEMP_MARKER + RESERVATION)
-                       and entry.path != besides)
-
-    def _where(self) -> str:
+    def where(self) -> str:
         """The cache's location, for messages."""
         return self.root
 
-    def _listing(self) -> list[tuple[float, str, int]]:
+    def listing(self) -> list[tuple[float, str, int]]:
         """(last used, path, bytes) of every finished shard. A last-used time in the future
         (a skewed clock, a restored backup) is reset to now, once, so that the shard ages."""
         shards = []
@@ -544,10 +505,10 @@ class LocalShardCache:
 
     def _reset_future(self, path: str, used: float, now: float) -> None:
         """Set a last-used time that lies in the future to ``now`` (said once per cache)."""
-        self._tell_once("future-mtime", logging.WARNING,
-                        "cached shard %s was last modified in the future (%s s ahead: a skewed "
-                        "clock or a restored backup); counting it as used now, so it ages like "
-                        "the others", path, f"{used - now:.0f}")
+        self.tell_once("future-mtime", logging.WARNING,
+                       "cached shard %s was last modified in the future (%s s ahead: a skewed "
+                       "clock or a restored backup); counting it as used now, so it ages like "
+                       "the others", path, f"{used - now:.0f}")
         try:
             os.utime(path, (now, now))
         except OSError as exc:
@@ -556,5 +517,6 @@ class LocalShardCache:
             logger.info("cannot reset the future last-used time of %s (%s): it counts as used "
                         "now in this pass only", path, exc.strerror)
 
-    def _try_evict(self, path: str) -> bool:
+    def try_evict(self, path: str) -> bool:
+        """Delete a finished shard unless someone has it pinned; True if it went."""
         return evict_if_unread(path)

@@ -94,7 +94,7 @@ class RemoteShardCache(LocalShardCache):
     def _final(self, name: str, suffix: str) -> str:
         return f"{self.remote_root}/{name}{suffix}"
 
-    def _where(self) -> str:
+    def where(self) -> str:
         return self.url
 
     def _shown(self, path: str) -> str:
@@ -123,10 +123,10 @@ class RemoteShardCache(LocalShardCache):
         self._note_unrecorded(tmp)
 
     def _note_unrecorded(self, path: str) -> None:
-        self._tell_once("no-xattr", logging.WARNING,
-                        "fsspec cache %s cannot record what made its shards: a changed command, "
-                        "env= or version= is not detected there; delete its objects when the "
-                        "generator changes", self.url)
+        self.tell_once("no-xattr", logging.WARNING,
+                       "fsspec cache %s cannot record what made its shards: a changed command, "
+                       "env= or version= is not detected there; delete its objects when the "
+                       "generator changes", self.url)
 
     def num_samples(self, name: str, recipe: Recipe = None) -> int | None:
         """Samples of a cached shard from its header, as a local cache reads them: read in
@@ -259,7 +259,7 @@ class RemoteShardCache(LocalShardCache):
         with storage_errors(self.url, name, "making room in"):
             super()._make_room(name, size, replacing)
 
-    def _listing(self) -> list[tuple[float, str, int]]:
+    def listing(self) -> list[tuple[float, str, int]]:
         """(last modified, path, bytes) of every finished shard, listed afresh."""
         self.fs.invalidate_cache(self.remote_root)
         try:
@@ -274,7 +274,7 @@ class RemoteShardCache(LocalShardCache):
                 shards.append((_stamp(info), info["name"], int(info.get("size") or 0)))
         return shards
 
-    def _try_evict(self, path: str) -> bool:
+    def try_evict(self, path: str) -> bool:
         """Delete an object unless this process is reading it or has just made it (readers in
         other processes are not seen: they make the shard again)."""
         if self._pinned_here(path):
