@@ -9,9 +9,11 @@ StreamIter adapts a loader to that contract:
   first, so nothing is produced twice;
 * a short last batch (``last_batch='keep'``) is padded to ``batch_size`` by repeating its
   own samples, and ``getpad()`` says how many are padding (as ``NDArrayIter`` does); with
-  ``even_batches='pad'`` the loader's padding is marked the same way, and batches that are
-  all padding are left out (``Module.predict`` trims ``pad`` rows and cannot keep none;
-  ``Module.score`` reads no ``pad`` at all and counts padding rows, as with ``NDArrayIter``);
+  ``even_batches='pad'`` the loader's padding is marked the same way, batches that are all
+  padding (``pad == batch_size``) included, so every rank runs the same number of steps
+  (``padding_batches=False`` leaves them out for ``Module.predict``, which cannot merge a
+  batch trimmed to no rows in MXNet 1.x; ``Module.score`` reads no ``pad`` at all and counts
+  padding rows, as with ``NDArrayIter``);
 * the batches are the loader's own NDArrays: each shard is a new NDArray and batches are
   slices of it, never overwritten later, so holding on to a batch (as ``PrefetchingIter``
   does) is safe;
@@ -58,6 +60,11 @@ class StreamIter(data_iter_base(), Closing):  # type: ignore[misc]  # mx.io.Data
             labels (one input, three targets) map to several names. ``()`` for none.
         layouts: Optional ``{name: layout}``, e.g. ``{"data": "NTC"}``. Default by rank:
             ``N``, ``NC``, ``NTC``, ``NCHW``, ``NCDHW``; the batch axis is always the first.
+        padding_batches: With ``even_batches='pad'``, hand out the batches that are all
+            padding (``pad == batch_size``) too (default True): every rank runs the same
+            number of steps, as a synchronous job needs. ``False`` leaves them out, for
+            ``Module.predict`` on one rank at a time (it cannot merge a batch trimmed to no
+            rows in MXNet 1.x); the ranks' step counts then differ.
 
     Example:
         >>> import numpy as np, gluon_stream as gs
@@ -73,8 +80,11 @@ class StreamIter(data_iter_base(), Closing):  # type: ignore[misc]  # mx.io.Data
 
     def __init__(self, loader: Any, data_names: Sequence[str] = ("data",),
                  label_names: Sequence[str] = ("softmax_label",), *,
-                 layouts: Mapping[str, str] | None = None) -> None:
+                 layouts: Mapping[str, str] | None = None,
+                 padding_batches: bool = True) -> None:
         mx = import_mxnet()
+        if not isinstance(padding_batches, bool):
+            raise TypeError(f"padding_batches must be True or False, got {padding_batches!r}")
         if not isinstance(loader, StreamLoader):
             raise TypeError(f"loader must be a gluon_stream.StreamLoader, got "
                             f"{type(loader).__name__}")
@@ -104,6 +114,7 @@ class StreamIter(data_iter_base(), Closing):  # type: ignore[misc]  # mx.io.Data
         self.data_names = data_names
         self.label_names = label_names
         self.layouts = layouts
+        self.padding_batches = padding_batches
         self._batches: Generator[Any, None, None] | None = None  # the loader's current pass
         self._taken = 0  # batches handed out in the current pass
         self._peeked: list | None = None  # arrays of a batch produced but not handed out yet
@@ -226,10 +237,10 @@ class StreamIter(data_iter_base(), Closing):  # type: ignore[misc]  # mx.io.Data
             if self._batches is None:
                 self._batches = iter(self.loader)
             batch = next(self._batches, None)
-            while batch is not None and self.loader.pad >= self.batch_size:
-                # even_batches='pad': a batch that is all padding keeps ranks' step counts
-                # equal in a Gluon loop; Module's loops do not synchronise ranks per batch, and
-                # its predict cannot cut a batch down to no rows (MXNet 1.x has no empty arrays)
+            while batch is not None and not self.padding_batches \
+                    and self.loader.pad >= self.batch_size:
+                # even_batches='pad' with padding_batches=False: left out, for Module.predict
+                # (by default they come, so every rank runs the same number of steps)
                 batch = next(self._batches, None)
             if batch is None:
                 self._exhausted = True

@@ -32,6 +32,7 @@ from ._mx import workers as mx_workers
 from ._mx.samples import SAMPLE_FORMATS, SampleFormat
 from ._pipeline.batching import LAST_BATCH_MODES, LastBatch
 from ._utils.distributed import resolve_parts
+from ._pipeline.ranks import choose_deal
 from ._pipeline.epoch import EpochPass, PassSettings
 from .errors import LoaderClosed, SizeUnknown
 from ._pipeline.batch_paths import SamplePath, SlicePath
@@ -382,16 +383,23 @@ def _stream_of(source: Source | ShardStream, given: dict[str, Any], even_batches
             raise ValueError(f"{', '.join(given)} given to StreamLoader together with a "
                              "ShardStream: set them on the ShardStream instead")
         return source, False
-    if even_batches and samples_per_epoch is None and not _sizes_known(source, given):
-        parts, index = resolve_parts(given.get("num_parts", 1), given.get("part_index", 0),
-                                     kvstore=given.get("kvstore"))
-        if parts > 1:  # equal counts without sizes: every rank takes its stride
-            deal = "strides" if even_batches == "pad" else "samples"
+    parts, index = resolve_parts(given.get("num_parts", 1), given.get("part_index", 0),
+                                 kvstore=given.get("kvstore"))
+    if parts > 1:
+        deal, why = choose_deal(even_batches, samples_per_epoch is not None,
+                                _sizes_known(source, given) if even_batches else False,
+                                parts, _key_count(source))
+        if deal != "shards":  # equal counts by construction: every rank takes its stride
             given.update(num_parts=parts, part_index=index, deal=deal)
-            logger.info("even_batches=%r with shard sizes unknown: every rank produces "
-                        "every shard and takes its stride of the samples (deal=%r)",
-                        even_batches, deal)
+            logger.info("%s: every rank produces every shard and takes its stride of the "
+                        "samples (deal=%r)", why, deal)
     return ShardStream(source, **given), True
+
+
+def _key_count(source: Source) -> int | None:
+    """How many keys epoch 0 has, alike on every rank (None: an endless iterator)."""
+    keys, finite = source.keys_for_epoch(0)
+    return len(list(keys)) if finite else None
 
 
 def _batch_path(loader: StreamLoader, retries: int) -> BatchPath:

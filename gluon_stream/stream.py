@@ -421,11 +421,12 @@ class ShardStream(Closing):
         return ahead
 
     def produce_now(self, key: Any, epoch: int, prepare: Prepare | None = None,
-                    index: int = -1) -> Shard:
+                    index: int = -1, whole: bool = False) -> Shard:
         """Produce one shard in the calling thread, exactly as the producers would (for resume;
-        ``index``: its position in the epoch, where a remainder's piece is read)."""
+        ``index``: its position in the epoch, where a remainder's piece is read; ``whole``:
+        every row, in the file's order, not this part's rows in its order)."""
         self.check_open()
-        return self._produce(key, epoch, index, None, prepare)
+        return self._make(key, epoch, index, None, prepare, whole)
 
     def _produce(self, key: Any, epoch: int, index: int, run: "EpochRun | None",
                  prepare: Prepare | None) -> Shard:
@@ -458,7 +459,7 @@ class ShardStream(Closing):
             return seconds
 
     def _make(self, key: Any, epoch: int, index: int, run: "EpochRun | None",
-              prepare: Prepare | None) -> Shard:
+              prepare: Prepare | None, whole: bool = False) -> Shard:
         if run is not None and run.cancelled:
             raise LoaderClosed("epoch pass cancelled")
         lane = threading.current_thread().name
@@ -479,7 +480,7 @@ class ShardStream(Closing):
                 raise
             arrays = normalize_arrays(value, what=f"transform output of shard {key!r}")
         full_size = len(arrays[0])
-        order = self.row_order(key, epoch, full_size, index)
+        order = None if whole else self.row_order(key, epoch, full_size, index)
         if run is not None and run.cancelled:
             raise LoaderClosed("epoch pass cancelled")
         names = names_of(arrays)

@@ -3,6 +3,7 @@ limit, from the declared or known shard sizes (never by producing shards)."""
 from __future__ import annotations
 
 from .batching import LastBatch
+from .ranks import even_count
 from ..errors import SizeUnknown
 from ..stream import ShardStream
 
@@ -52,7 +53,7 @@ class BatchCounts:
             return None
         if self.even_batches == "pad":
             sizes = stream.sizes.part_sizes(epoch)
-            return None if sizes is None else -(-max(sizes) // self.batch_size)
+            return None if sizes is None else even_count("pad", sizes, self.batch_size)
         if not self.even_batches or stream.deal == "samples" or stream.num_parts == 1:
             return None
         sizes = stream.sizes.part_sizes(epoch)
@@ -60,7 +61,7 @@ class BatchCounts:
             raise SizeUnknown(
                 f"even_batches=True needs every shard's size for epoch {epoch} on every rank: "
                 f"{self.unknown_reason(epoch)}")
-        return min(sizes) // self.batch_size
+        return even_count(True, sizes, self.batch_size)
 
     def unknown_reason(self, epoch: int) -> str:
         """Why an epoch's samples cannot be counted without producing it, and the fix."""

@@ -418,12 +418,8 @@ class EpochPass:
             if self.settings.ctx is not None:
                 data = mx_arrays.place(data, self.settings.ctx)
             data = pad_rows(data, self.settings.batch_size)
-        if data is None:
-            stream = self.stream
-            raise StreamError(
-                f"part {stream.part_index} of {stream.num_parts} has no batch to give in "
-                f"epoch {run.epoch} ({run.skipped} shard(s) skipped) while the others yield "
-                f"{count}: synchronous training cannot go on; see the warnings above")
+        if data is None:  # no batch of its own (dealt nothing): rows of another shard
+            data = self._borrow(run, count)
         if not even.pad:
             logger.warning("epoch %d: part %d of %d is %d batch(es) short of the %d every part "
                            "yields (even_batches=True; %d shard(s) skipped); repeating its last "
@@ -436,6 +432,43 @@ class EpochPass:
                           run.skipped_at)
             self.pad = self.settings.batch_size if even.pad else 0
             yield data
+
+    def _borrow(self, run: EpochRun, count: int) -> Any:
+        """A batch for a part that has none of its own to repeat (it was dealt no sample, or
+        its shards failed) while the others yield ``count``: the first ``batch_size`` rows
+        (cycled) of the first shard of the epoch's key list that holds any, read whole. With
+        ``'pad'`` all its rows are padding; with ``True`` it keeps the step count, as a
+        repeat does. The same on every resume (a state records no borrowed segment)."""
+        stream, bs = self.stream, self.settings.batch_size
+        keys, finite = stream.source.keys_for_epoch(run.epoch)
+        tried = []
+        for key in (keys if finite else ()):
+            if stream.sizes.full_size(key, run.epoch) == 0:
+                continue
+            try:
+                shard = stream.produce_now(key, run.epoch, self.path.prepare, whole=True)
+            except Exception as exc:  # a failing shard (on_error='skip'): the next one
+                if stream.on_error != "skip":
+                    raise
+                tried.append(f"{key!r}: {type(exc).__name__}")
+                continue
+            if len(shard):
+                seg = Segment(run.epoch, 0, 0, min(bs, len(shard)), key)
+                data = self.path.join([self.path.cut(shard, seg)],
+                                      batch_seed(stream.seed, run.epoch, count))
+                if self.settings.ctx is not None:
+                    data = mx_arrays.place(data, self.settings.ctx)
+                logger.info("epoch %d: part %d of %d has no batch of its own; it yields %d "
+                            "batch(es) of rows of shard %r (even_batches=%r) to keep the "
+                            "ranks' step counts equal", run.epoch, stream.part_index,
+                            stream.num_parts, count, key, self.settings.even)
+                return pad_rows(data, bs)
+        raise StreamError(
+            f"part {stream.part_index} of {stream.num_parts} has no batch to give in epoch "
+            f"{run.epoch} while the others yield {count}, and no shard of the epoch holds a "
+            f"sample to pad with ({run.skipped} shard(s) skipped here"
+            f"{'; failed: ' + ', '.join(tried) if tried else ''}): the declared sizes "
+            "(shard_sizes=) say there are samples the shards do not hold; see the warnings above")
 
     # -- a resumed position's data ----------------------------------------------------------
     def _rebuild_carry(self, segments: Sequence[Segment],
