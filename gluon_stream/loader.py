@@ -192,10 +192,12 @@ class StreamLoader(Closing):
                              "shards for shuffle=True; pass shuffle=True (and a seed)")
         if even_batches and stream.deal != "shards" and stream.on_error == "skip":
             raise ValueError(
-                "even_batches=True with on_error='skip' cannot keep every rank's batch count "
-                "equal when shard sizes are unknown: a shard that fails on one rank only leaves "
-                "that rank short, and synchronous training hangs. Pass shard_sizes= (a rank short "
-                "of samples then repeats its last batch), or on_error='raise' or ('retry', n)")
+                f"even_batches={even_batches!r} with on_error='skip' cannot keep every rank's "
+                f"batch count equal when every rank takes strides of every shard (deal="
+                f"{stream.deal!r}: shard sizes unknown, or fewer keys than ranks): a shard that "
+                "fails on one rank only leaves that rank short, and synchronous training hangs. "
+                "Pass shard_sizes= (and as many keys as ranks), or on_error='raise' or "
+                "('retry', n)")
         self.even_batches: bool | str = even_batches
         self.thread_pool = thread_pool
         self.batchify_fn = batchify_fn

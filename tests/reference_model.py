@@ -25,7 +25,18 @@ of features and interruptions and compare the batches exactly:
 * **samples_per_epoch=N.** A part's samples form one stream: the key list's pass 0 (shuffled
   from ``(seed, 0)``), then pass 1 (from ``(seed, 1)``), ... Epoch ``e`` reads samples
   ``e*N .. (e+1)*N - 1`` of it, batched as an epoch is (``'rollover'`` carries the tail into
-  the next epoch's first batch; even_batches keeps full batches, or pads the last one).
+  the next epoch's first batch; even_batches keeps full batches, or pads the last one). An
+  endless key iterator is one pass that never ends: part ``p`` takes keys ``p, p + parts, ...``.
+* **Keys.** A list (every epoch the same keys), a callable ``keys(epoch)`` or a MixSource (the
+  epoch's key list; the test takes a mix's from the mix itself, whose own rules are tested
+  apart), or an endless iterator (with ``samples_per_epoch``).
+* **Topologies the ranks must agree on** (:func:`deal_for`). Fewer keys than ranks:
+  ``samples_per_epoch`` and ``even_batches=True`` deal strides of every shard instead of whole
+  shards (a rank dealt no key would read nothing). With even_batches, a part with no batch of
+  its own to repeat (dealt nothing, or only empty or failing shards) while the others yield
+  some takes the first ``batch_size`` rows (cycled) of the first shard of the epoch's key list,
+  in the source's order, that holds any (and does not fail), read whole in file order: with
+  ``'pad'`` as a batch of padding only.
 """
 from __future__ import annotations
 
@@ -67,11 +78,34 @@ class Config:
     declared: dict | None = None  # shard_sizes= given to the loader (None: unknown)
     samples_per_epoch: int | None = None
     sample_id: Callable[[Any, int], Any] = field(default=lambda key, row: 1000 * key + row)
+    keys_of: Callable[[int], list] | None = None  # keys(epoch) (a callable, a MixSource)
+    endless: bool = False  # the keys, cycled without end, as an iterator
+
+
+def keys_for(cfg: Config, epoch: int) -> list:
+    """The epoch's key list, in the source's order (an endless iterator: one cycle of it)."""
+    return list(cfg.keys_of(epoch)) if cfg.keys_of is not None else list(cfg.keys)
+
+
+def deal_for(even: Any, parts: int, sizes_known: bool, samples_per_epoch: Any,
+             keys: int | None) -> str:
+    """How the parts split the epochs (``keys``: epoch 0's key count; None when endless)."""
+    few = keys is not None and keys < parts
+    if parts == 1:
+        return "shards"
+    if samples_per_epoch is not None:
+        return "strides" if few else "shards"
+    if even and not sizes_known:
+        return "strides" if even == "pad" else "samples"
+    if even is True and few:
+        return "samples"
+    return "shards"
 
 
 def epoch_keys(cfg: Config, epoch: int, part: int) -> list:
     """The shards of one part in one epoch, in order."""
-    n = len(cfg.keys)
+    keys = keys_for(cfg, epoch)
+    n = len(keys)
     if cfg.num_parts > 1 and cfg.deal == "shards" and n:
         mine = _rng(cfg.seed, epoch, SHARD_DEAL).permutation(n)[part::cfg.num_parts]
         order = list(mine) if cfg.shuffle else sorted(mine)
@@ -79,7 +113,18 @@ def epoch_keys(cfg: Config, epoch: int, part: int) -> list:
         order = list(_rng(cfg.seed, epoch, SHARD_ORDER).permutation(n))
     else:
         order = list(range(n))
-    return [cfg.keys[i] for i in order]
+    return [keys[i] for i in order]
+
+
+def borrowed(cfg: Config, epoch: int) -> list | None:
+    """The batch a part with none of its own yields (see the module doc), or None."""
+    for key in keys_for(cfg, epoch):
+        n = cfg.sizes[key]
+        if key in cfg.failing or not n:
+            continue
+        rows = min(n, cfg.batch_size)
+        return [cfg.sample_id(key, i % rows) for i in range(cfg.batch_size)]
+    return None
 
 
 def shard_rows(cfg: Config, epoch: int, part: int, key: Any) -> list[int]:
@@ -162,9 +207,10 @@ def padded(cfg: Config, epochs: int, part: int | None = None) -> list[list[tuple
                                  bs - len(tail))
         count = pad_count(cfg, epoch)
         if len(epoch_batches) < count:
-            if not epoch_batches:
+            last = epoch_batches[-1][0] if epoch_batches else borrowed(cfg, epoch)
+            if last is None:
                 raise NoBatchToRepeat(f"epoch {epoch}: part {part} has no batch")
-            epoch_batches += [(epoch_batches[-1][0], bs)] * (count - len(epoch_batches))
+            epoch_batches += [(last, bs)] * (count - len(epoch_batches))
         out.append(epoch_batches[:count])
     return out
 
@@ -181,6 +227,13 @@ def sample_stream(cfg: Config, epochs: int, part: int) -> list:
     needed = epochs * cfg.samples_per_epoch
     stream: list = []
     key_pass = empty = 0
+    if cfg.endless:  # one pass without end: this part's keys p, p + parts, ... of the cycle
+        index = part
+        while len(stream) < needed:
+            key = cfg.keys[index % len(cfg.keys)]
+            stream += [cfg.sample_id(key, r) for r in shard_rows(cfg, 0, part, key)]
+            index += cfg.num_parts
+        return stream[:needed]
     while len(stream) < needed:
         samples = [s for unit in epoch_units(cfg, key_pass, part) for s in unit]
         empty = 0 if samples else empty + 1
@@ -236,9 +289,10 @@ def batches(cfg: Config, epochs: int, part: int | None = None) -> list[list[list
             limit = even_limit(cfg, epoch)
             if limit is not None:
                 if len(epoch_batches) < limit:
-                    if not epoch_batches:
+                    last = epoch_batches[-1] if epoch_batches else borrowed(cfg, epoch)
+                    if last is None:
                         raise NoBatchToRepeat(f"epoch {epoch}: part {part} has no batch")
-                    epoch_batches += [epoch_batches[-1]] * (limit - len(epoch_batches))
+                    epoch_batches += [last] * (limit - len(epoch_batches))
                 epoch_batches = epoch_batches[:limit]
         elif tail and cfg.last_batch == "keep":
             epoch_batches.append(tail)

@@ -152,3 +152,42 @@ def test_every_batch_is_planned_once_even_for_many_units():
         for batch in planner.add(unit, (unit * 37) % 11).batches():
             counts.update(samples(batch))
     assert set(counts.values()) == {1}
+
+
+# -- ranks: how the parts split an epoch so that they agree (pure, no MXNet) --------------------
+@settings(max_examples=300, deadline=None)
+@given(sizes=st.lists(st.integers(0, 20), max_size=6), parts=st.integers(2, 5),
+       even=st.sampled_from([False, True, "pad"]), known=st.booleans(),
+       fixed=st.booleans(), batch_size=st.integers(1, 6), seed=st.integers(0, 9))
+def test_the_deal_gives_every_part_a_share_or_equal_counts(sizes, parts, even, known, fixed,
+                                                           batch_size, seed):
+    """Whatever the topology, the deal chosen from what every rank knows alike leaves no rank
+    behind: with fewer keys than ranks no rank is dealt nothing where that would stop it
+    (samples_per_epoch, even_batches=True); even_batches=True's strides are equal on every
+    part; the counts every part yields come from every part's samples, the same on all."""
+    import random
+
+    from gluon_stream._pipeline.ranks import choose_deal, even_count, stride_share
+
+    deal, why = choose_deal(even, fixed, known, parts, len(sizes))
+    assert (deal == "shards") == (why == "")
+    if len(sizes) < parts and (fixed or even is True):
+        assert deal != "shards", "a rank would be dealt no key"
+    if deal == "shards":
+        order = list(range(len(sizes)))
+        random.Random(seed).shuffle(order)
+        totals = [sum(sizes[k] for k in order[p::parts]) for p in range(parts)]
+    else:
+        totals = [sum(stride_share(n, p, parts, deal == "samples") for n in sizes)
+                  for p in range(parts)]
+        if deal == "samples":
+            assert len(set(totals)) == 1  # equal by construction, nothing known ahead
+        else:
+            assert sum(totals) == sum(sizes)  # strides drop nothing
+    if even == "pad":
+        count = even_count("pad", totals, batch_size)
+        assert count * batch_size >= max(totals) > (count - 1) * batch_size or count == 0
+    elif even:
+        count = even_count(True, totals, batch_size)
+        assert all(count * batch_size <= t for t in totals)
+        assert (count + 1) * batch_size > min(totals)

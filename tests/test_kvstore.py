@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from _kvstore_worker import BATCH_SIZE, EPOCHS, SIZES
+from _kvstore_worker import BATCH_SIZE, EPOCHS, PAD_SIZES, SIZES
 
 pytestmark = pytest.mark.mxnet
 
@@ -63,12 +63,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def ps_env(role: str, port: int) -> dict:
+def ps_env(role: str, port: int, workers: int = NUM_WORKERS) -> dict:
     """The environment the dmlc tracker gives a ``role`` process, on 127.0.0.1 only."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(FOREIGN) and k not in FOREIGN_NAMES}
     env.update(DMLC_ROLE=role, DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(port),
-               DMLC_NUM_SERVER="1", DMLC_NUM_WORKER=str(NUM_WORKERS),
+               DMLC_NUM_SERVER="1", DMLC_NUM_WORKER=str(workers),
                DMLC_NODE_HOST="127.0.0.1",  # bind and announce loopback, not eth0
                PS_VERBOSE="1",  # connections and barriers in stderr, shown on failure
                OMP_NUM_THREADS="1")  # four MXNet processes share the machine's cores
@@ -118,8 +118,9 @@ def wait_all(nodes: list[Node], timeout: float) -> None:
         pytest.fail(f"{failed} failed\n" + "\n".join(n.log() for n in nodes))
 
 
-def run_job(tmp_path: Path, case: str) -> tuple[list[dict], float]:
-    """Scheduler, server and two workers of ``case``; the workers' records in rank order."""
+def run_job(tmp_path: Path, case: str, workers: int = NUM_WORKERS
+            ) -> tuple[list[dict], float]:
+    """Scheduler, server and ``workers`` workers of ``case``; their records in rank order."""
     import mxnet as mx
 
     if not mx.runtime.Features().is_enabled("DIST_KVSTORE"):
@@ -133,12 +134,12 @@ def run_job(tmp_path: Path, case: str) -> tuple[list[dict], float]:
     began = time.monotonic()
     try:
         start(nodes, "scheduler", [sys.executable, "-c", "import mxnet"],
-              ps_env("scheduler", port), logs)
-        env = ps_env("server", port)
-        env["DMLC_TASK_ID"] = str(NUM_WORKERS)  # the tracker numbers workers, then servers
+              ps_env("scheduler", port, workers), logs)
+        env = ps_env("server", port, workers)
+        env["DMLC_TASK_ID"] = str(workers)  # the tracker numbers workers, then servers
         start(nodes, "server", [sys.executable, "-c", "import mxnet"], env, logs)
-        for i in range(NUM_WORKERS):
-            env = ps_env("worker", port)
+        for i in range(workers):
+            env = ps_env("worker", port, workers)
             env["DMLC_TASK_ID"] = str(i)
             start(nodes, f"worker{i}",
                   [sys.executable, WORKER, "--case", case, "--out", str(logs / f"worker{i}.json"),
@@ -146,7 +147,7 @@ def run_job(tmp_path: Path, case: str) -> tuple[list[dict], float]:
         wait_all(nodes, JOB_TIMEOUT_S)
         elapsed = time.monotonic() - began
         records = [json.loads((logs / f"worker{i}.json").read_text())
-                   for i in range(NUM_WORKERS)]
+                   for i in range(workers)]
     finally:
         kill(nodes)
     return sorted(records, key=lambda r: r["rank"]), elapsed
@@ -216,4 +217,30 @@ def test_dist_sync_with_sizes_unknown_and_a_shared_cache(tmp_path):
     assert made == {k: 1 for k in range(len(SIZES))}, f"generations per key: {made}"
     part_sizes = [records[0]["epochs"][e]["part_sizes"] for e in range(EPOCHS)]
     print(f"sizes unknown: batches per epoch per rank {counts}, part sizes {part_sizes}, "
+          f"job {elapsed:.1f} s")
+
+
+def test_dist_sync_pad_evaluation_with_more_ranks_than_shards(tmp_path):
+    """Two shards, three ranks, even_batches='pad' with sizes known: the rank dealt no shard
+    pads as the others do. Each step sums the ranks' real rows through the kvstore (a rank
+    with fewer steps would leave the others waiting until the job's deadline): every rank
+    runs the same steps, len() says them ahead, and the real rows hold every sample once."""
+    workers = 3
+    records, elapsed = run_job(tmp_path, "pad", workers)
+    assert [r["part_index"] for r in records] == list(range(workers))
+    assert all(r["num_parts"] == workers and r["type"] == "dist_sync" for r in records)
+    for epoch in range(EPOCHS):
+        rows = [r["epochs"][epoch] for r in records]
+        steps = [len(row["batches"]) for row in rows]
+        assert len(set(steps)) == 1 and steps[0] > 0, f"epoch {epoch}: steps per rank {steps}"
+        assert [row["len"] for row in rows] == steps
+        assert all(row["summed"] == rows[0]["summed"] for row in rows)
+        assert sum(rows[0]["summed"]) == sum(PAD_SIZES)
+        real = sorted(i for row in rows for ids, pad in row["batches"]
+                      for i in ids[:len(ids) - pad])
+        assert real == sorted(1000 * k + i for k, n in enumerate(PAD_SIZES) for i in range(n))
+        assert any(all(pad == BATCH_SIZE for _, pad in row["batches"]) for row in rows), \
+            "no rank was dealt nothing: the case does not test what it says"
+    print(f"pad, {len(PAD_SIZES)} shards on {workers} ranks: steps per epoch "
+          f"{[len(records[0]['epochs'][e]['batches']) for e in range(EPOCHS)]}, "
           f"job {elapsed:.1f} s")

@@ -4,9 +4,21 @@ interruptions (the end of an epoch included), resumed up to twice, batches compa
 This is the net for every change to batching, resume, windows, skips and ranks: a
 configuration hypothesis finds that disagrees with ``reference_model`` is a broken promise (or a
 wrong model, which is as worth knowing). ``GS_MODEL_EXAMPLES=2000`` runs a deeper search.
+
+What is drawn is what users bring: keys as a list, a callable ``keys(epoch)``, a MixSource or
+an endless iterator (built anew, from its beginning, by every resumed loader, as a new process
+would); topologies with fewer keys than ranks, empty shards and ranks dealt nothing; loaders
+held in a ``with``, by a name and left to garbage collection, or by nothing but their ``for``.
+:func:`test_ranks_agree_or_refuse_alike` runs every rank of a configuration: the ranks yield
+equal counts (even modes, ``samples_per_epoch``), ``'pad'``'s real rows hold every sample once,
+or every rank refuses alike before its first batch.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+import gc
+import itertools
 import json
 import math
 import os
@@ -25,38 +37,98 @@ pytestmark = pytest.mark.mxnet
 
 EXAMPLES = int(os.environ.get("GS_MODEL_EXAMPLES", "400"))
 PATHS = ("slices", "inline", "threads", "processes")
+KINDS = ("list", "callable", "mix", "endless")  # how the keys are given
+HOLDINGS = ("with", "named", "unreferenced")  # how the loop holds its loader
+# Shapes that another branch of issue 24 fixes; until it is merged they are drawn in a shape
+# that works on this one (an unreferenced loader as a named one; an endless iterator without a
+# resume) and counted as an event. Remove an entry once its fix is on main.
+PENDING = {
+    "unreferenced": "issue 24 section 1: an unreferenced loader is closed under its loop",
+    "endless-resumed": "issue 24 section 2: samples_per_epoch over an endless iterator resumes "
+                       "at the wrong shard in a new process",
+}
 
 
 class Failing(Exception):
     """The shard of a key the test marked as failing."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Rotated:
+    """keys(epoch): the key list turned by ``epoch`` places (each epoch another order)."""
+
+    keys: tuple
+
+    def __call__(self, epoch: int) -> list:
+        k = epoch % len(self.keys) if self.keys else 0
+        return list(self.keys[k:] + self.keys[:k])
+
+
+@dataclasses.dataclass(frozen=True)
+class Mixed:
+    """A MixSource of two key lists ``a`` and ``b``: its own rules pick each epoch's keys."""
+
+    a: tuple
+    b: tuple
+    shards_per_epoch: int
+    seed: int
+
+    def source(self, fn) -> gs.MixSource:
+        return gs.MixSource({"a": gs.FunctionSource(list(self.a), lambda k: fn(("a", k))),
+                             "b": gs.FunctionSource(list(self.b), lambda k: fn(("b", k)))},
+                            shards_per_epoch=self.shards_per_epoch, seed=self.seed)
+
+    def __call__(self, epoch: int) -> list:
+        return _mix_keys(self, epoch)
+
+
+@functools.lru_cache(maxsize=None)
+def _mix_keys(mixed: Mixed, epoch: int) -> list:
+    return list(mixed.source(None).keys_for_epoch(epoch)[0])
+
+
+def mixed_id(key, row):
+    return 1000 * (key[1] + (50 if key[0] == "b" else 0)) + row
+
+
 @st.composite
-def configs(draw):
-    n = draw(st.integers(0, 6) | st.integers(2, 6))
-    keys = list(range(n))
-    sizes = {k: draw(st.integers(0, 11)) for k in keys}
+def configs(draw, kinds=KINDS, min_parts=1):
+    kind = draw(st.sampled_from(kinds))
+    parts = draw(st.integers(min_parts, 4))
+    spe = draw(st.none() | st.integers(1, 15))
+    if kind == "endless" and spe is None:  # an endless epoch never ends: only with spe
+        kind = "list"
+    keys_of, mixed = None, None
+    if kind == "mix":
+        mixed = Mixed(tuple(range(draw(st.integers(1, 3)))), tuple(range(draw(st.integers(1, 3)))),
+                      draw(st.sampled_from([2, 4, 6])), draw(st.integers(0, 2)))
+        keys = [("a", k) for k in mixed.a] + [("b", k) for k in mixed.b]
+        keys_of = mixed
+    else:  # fewer keys than ranks, often
+        keys = list(range(draw(st.integers(1 if kind == "endless" else 0, 6)
+                               | st.integers(1 if kind == "endless" else 0, parts))))
+        if kind == "callable":
+            keys_of = Rotated(tuple(keys))
+    # an endless iterator of empty shards never ends a pass: at least one sample each
+    sizes = {k: draw(st.integers(1 if kind == "endless" else 0, 11)) for k in keys}
     batch_size = draw(st.integers(1, 6))
     shuffle = draw(st.booleans())
-    window = draw(st.integers(1, 3)) if shuffle else 1
-    parts = draw(st.integers(1, 3))
+    window = draw(st.integers(1, 3)) if shuffle and kind != "endless" else 1
     even = draw(st.sampled_from([False, True, "pad"]))
     last_batch = draw(st.sampled_from(["keep"] if even == "pad" else ["keep", "discard"] if even
                                       else ["keep", "discard", "rollover"]))
     known = draw(st.booleans())
-    deal = ("strides" if even == "pad" else "samples") if even and parts > 1 and not known \
-        else "shards"
+    first = None if kind == "endless" else len(keys_of(0) if keys_of is not None else keys)
+    deal = model.deal_for(even, parts, known, spe, first)
     failing = frozenset(draw(st.sets(st.sampled_from(keys)))) if keys and deal == "shards" \
-        and draw(st.booleans()) else frozenset()
+        and kind != "endless" and draw(st.booleans()) else frozenset()
     declared = dict(sizes) if known else None
-    samples_per_epoch = draw(st.none() | st.integers(1, 15))
-    if samples_per_epoch is not None:
-        deal = "shards"  # equal counts by construction: every part reads as many
     return model.Config(keys=keys, sizes=sizes, batch_size=batch_size, last_batch=last_batch,
                         shuffle=shuffle, seed=draw(st.integers(0, 3)), shuffle_window=window,
                         num_parts=parts, part_index=draw(st.integers(0, parts - 1)), deal=deal,
                         even_batches=even, failing=failing, declared=declared,
-                        samples_per_epoch=samples_per_epoch)
+                        samples_per_epoch=spe, keys_of=keys_of, endless=kind == "endless",
+                        **({"sample_id": mixed_id} if mixed is not None else {}))
 
 
 def make_loader(cfg: model.Config, path: str) -> gs.StreamLoader:
@@ -65,6 +137,14 @@ def make_loader(cfg: model.Config, path: str) -> gs.StreamLoader:
             raise Failing(f"shard {key} fails")
         ids = np.array([cfg.sample_id(key, r) for r in range(cfg.sizes[key])], dtype=np.int64)
         return ids, ids.astype(np.float32)
+
+    if isinstance(cfg.keys_of, Mixed):
+        source = cfg.keys_of.source(fn)
+    elif cfg.endless:  # built anew, from its beginning, as a new process would
+        source = gs.FunctionSource((cfg.keys[i % len(cfg.keys)] for i in itertools.count()), fn)
+    else:
+        source = gs.FunctionSource(cfg.keys_of if cfg.keys_of is not None else list(cfg.keys),
+                                   fn)
 
     kw: dict = {}
     if path != "slices":
@@ -76,27 +156,59 @@ def make_loader(cfg: model.Config, path: str) -> gs.StreamLoader:
     if cfg.declared is not None:
         kw["shard_sizes"] = cfg.declared
     return gs.StreamLoader(
-        gs.FunctionSource(list(cfg.keys), fn), batch_size=cfg.batch_size,
+        source, batch_size=cfg.batch_size,
         last_batch=cfg.last_batch, shuffle=cfg.shuffle, seed=cfg.seed,
         shuffle_window=cfg.shuffle_window, num_parts=cfg.num_parts, part_index=cfg.part_index,
         even_batches=cfg.even_batches, on_error="skip" if cfg.failing else "raise",
         prefetch=1, producers=1, samples_per_epoch=cfg.samples_per_epoch, **kw)
 
 
-def run(cfg, path, epochs, cuts, loop):
+def holding_for(holding, cfg, epochs, cuts):
+    """The way the loop holds its loader: ``'unreferenced'`` only where the loop needs no
+    name (one epoch, no state, no ``pad``: see :func:`unreferenced_shape`), and where its fix
+    is merged (:data:`PENDING`)."""
+    if holding == "unreferenced" and (cuts or epochs != 1 or cfg.even_batches == "pad"):
+        return "named"
+    if holding == "unreferenced" and "unreferenced" in PENDING:
+        event("pending: unreferenced drawn as named")
+        return "named"
+    return holding
+
+
+def unreferenced_shape(holding, cfg, epochs, cuts):
+    """``for b in StreamLoader(...)``: one epoch, uninterrupted (a loop that holds no name
+    cannot save a state or set an epoch); ``'pad'`` needs ``loader.pad``, so a name."""
+    if holding == "unreferenced" and cfg.even_batches != "pad":
+        return 1, []
+    return epochs, cuts
+
+
+def run(cfg, path, epochs, cuts, loop, holding="with"):
     """Batches of epochs ``0 .. epochs - 1``, interrupted at each cut and resumed in a fresh
     loader. A cut ``(n, after_stop)`` takes the state after ``n`` batches in all; with
     ``after_stop``, only once the loop has seen the end of the epoch that batch ended (if it
-    ended one)."""
+    ended one). ``holding``: the loader in a ``with`` block, by a name without one (closed by
+    garbage collection), or by nothing but the ``for`` (see :func:`holding_for`)."""
+    holding = holding_for(holding, cfg, epochs, cuts)
+    if holding == "unreferenced":
+        return [batch_ids(b) for b in make_loader(cfg, path)]
     got: list = []
     state = None
     cuts = sorted(cuts)
     while True:
         cut = cuts.pop(0) if cuts else None
-        with make_loader(cfg, path) as loader:
+        if holding == "with":
+            with make_loader(cfg, path) as loader:
+                if state is not None:
+                    loader.load_state_dict(json.loads(json.dumps(state)))
+                state = _until(loader, cfg, epochs, state, cut, got, loop)
+        else:
+            loader = make_loader(cfg, path)
             if state is not None:
                 loader.load_state_dict(json.loads(json.dumps(state)))
             state = _until(loader, cfg, epochs, state, cut, got, loop)
+            del loader  # closed by garbage collection, as a script's loader is
+            gc.collect()
         if state is None:
             return got
 
@@ -144,27 +256,42 @@ def expected(cfg, epochs):
 @given(cfg=configs(), epochs=st.integers(1, 3),
        path=st.sampled_from(["slices"] * 4 + ["inline", "inline", "threads", "processes"]),
        cut_at=st.lists(st.tuples(st.floats(0, 1), st.booleans()), min_size=1, max_size=2),
-       loop=st.sampled_from("ab"))
+       loop=st.sampled_from("ab"), holding=st.sampled_from(HOLDINGS))
 # found by a deeper search: a state taken after a short rank's last real batch said "end of
 # epoch", and the resumed pass left out the batch it repeats to reach the ranks' equal count
 @example(cfg=model.Config(keys=[0, 1, 2, 3], sizes={0: 0, 1: 1, 2: 4, 3: 3}, batch_size=1,
                           last_batch="keep", shuffle=False, seed=0, shuffle_window=1, num_parts=2,
                           part_index=1, deal="shards", even_batches=True, failing=frozenset({1}),
                           declared={0: 0, 1: 1, 2: 4, 3: 3}, samples_per_epoch=None),
-         epochs=1, path="slices", cut_at=[(0.5, True)], loop="a")
-def test_any_configuration_resumed_anywhere_matches_the_model(cfg, epochs, path, cut_at, loop):
+         epochs=1, path="slices", cut_at=[(0.5, True)], loop="a", holding="with")
+# the shapes of issue 24 sections 1 and 2, always tried (as named/unresumed while PENDING)
+@example(cfg=model.Config(keys=[0, 1, 2], sizes={0: 5, 1: 5, 2: 5}, batch_size=4),
+         epochs=1, path="slices", cut_at=[(0.5, False)], loop="a", holding="unreferenced")
+@example(cfg=model.Config(keys=list(range(6)), sizes=dict.fromkeys(range(6), 5), batch_size=3,
+                          shuffle=True, seed=3, samples_per_epoch=7, endless=True),
+         epochs=3, path="slices", cut_at=[(0.45, False)], loop="b", holding="with")
+def test_any_configuration_resumed_anywhere_matches_the_model(cfg, epochs, path, cut_at, loop,
+                                                              holding):
+    epochs, cut_at = unreferenced_shape(holding, cfg, epochs, cut_at)
     try:
         want = expected(cfg, epochs)
     except model.NoBatchToRepeat:
         with pytest.raises(gs.StreamError, match="no batch to give"):
-            run(cfg, path, epochs, [], loop)
+            run(cfg, path, epochs, [], loop, holding)
         return
     except model.NoSamples:
         with pytest.raises(gs.StreamError, match="passes over the keys in a row"):
-            run(cfg, path, epochs, [], loop)
+            run(cfg, path, epochs, [], loop, holding)
         return
     cuts = [(math.ceil(f * len(want)), after) for f, after in cut_at]
     cuts = [c for c in cuts if c[0] > 0]
+    if cuts and cfg.endless and "endless-resumed" in PENDING:
+        event("pending: endless iterator not resumed")
+        cuts = []
+    event(f"keys={'endless' if cfg.endless else type(cfg.keys_of).__name__}")
+    event(f"held={holding_for(holding, cfg, epochs, cuts)}")
+    if len(keys_of_epoch0(cfg)) < cfg.num_parts:
+        event("fewer keys than ranks")
     for name, on in [("path=" + path, True), ("window", cfg.shuffle_window > 1),
                      ("skip", bool(cfg.failing)), ("even", cfg.even_batches),
                      ("parts", cfg.num_parts > 1), ("deal=samples", cfg.deal == "samples"),
@@ -172,5 +299,86 @@ def test_any_configuration_resumed_anywhere_matches_the_model(cfg, epochs, path,
                      (f"resumed x{len(cuts)}", True), ("rollover", cfg.last_batch == "rollover")]:
         if on:
             event(name)
-    got = run(cfg, path, epochs, cuts, loop)
+    got = run(cfg, path, epochs, cuts, loop, holding)
     assert got == want, f"cuts {cuts}"
+
+
+def keys_of_epoch0(cfg):
+    return [] if cfg.endless else model.keys_for(cfg, 0)
+
+
+def rank_outcome(cfg, epochs, holding):
+    """("ok", batches) or ("refused", exception type, whether a batch came first)."""
+    got: list = []
+    try:
+        loader = make_loader(cfg, "slices")
+    except Exception as exc:  # at construction
+        return ("refused", type(exc), False)
+    try:
+        if holding == "with":
+            with loader:
+                got = _epochs(loader, epochs)
+        else:
+            got = _epochs(loader, epochs)
+    except Exception as exc:
+        return ("refused", type(exc), bool(got))
+    finally:
+        del loader
+        gc.collect()
+    return ("ok", got)
+
+
+def _epochs(loader, epochs):
+    out = []
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        out.append([seen(loader, b) for b in loader])
+    return out
+
+
+def epoch_samples(cfg, epoch):
+    """Every sample of an epoch (a multiset, sorted): what 'pad''s real rows must hold."""
+    return sorted(cfg.sample_id(k, r) for k in model.keys_for(cfg, epoch)
+                  if k not in cfg.failing for r in range(cfg.sizes[k]))
+
+
+@settings(max_examples=max(25, EXAMPLES // 8), deadline=None,
+          derandomize="GS_MODEL_EXAMPLES" not in os.environ,
+          suppress_health_check=list(HealthCheck))
+@given(cfg=configs(min_parts=2), epochs=st.integers(1, 2),
+       holding=st.sampled_from(["with", "named"]))
+def test_ranks_agree_or_refuse_alike(cfg, epochs, holding):
+    """Every rank of a configuration, each with its own loader: in the even modes and with
+    samples_per_epoch every rank yields the same count of batches each epoch ('pad': the real
+    rows of all ranks hold every sample of the epoch once), or every rank refuses with the
+    same typed error before its first batch. Each rank's batches are the model's."""
+    parts = cfg.num_parts
+    if cfg.samples_per_epoch is not None and cfg.deal == "strides" and any(
+            sum(len(range(p, cfg.sizes[k], parts)) for k in model.keys_for(cfg, 0)) == 0
+            for p in range(parts)):
+        # known limit, reported: strides of a pass that give a rank no sample at all (fewer
+        # samples in every shard than ranks); that rank gives up after EMPTY_PASSES passes
+        event("skipped: a pass gives a rank no sample")
+        return
+    event(f"parts={parts}, even={cfg.even_batches}, deal={cfg.deal}")
+    if len(keys_of_epoch0(cfg)) < parts:
+        event("fewer keys than ranks")
+    ranks = [dataclasses.replace(cfg, part_index=p) for p in range(parts)]
+    outcomes = [rank_outcome(c, epochs, holding) for c in ranks]
+    refused = [o for o in outcomes if o[0] == "refused"]
+    if refused:
+        event("refused")
+        assert len(refused) == parts and len({o[1] for o in refused}) == 1 \
+            and not any(o[2] for o in refused), f"ranks disagree: {outcomes}"
+        return
+    for c, (_, got) in zip(ranks, outcomes):
+        assert [b for epoch in got for b in epoch] == expected(c, epochs), f"part {c.part_index}"
+    if not (cfg.even_batches or cfg.samples_per_epoch is not None):
+        return
+    for epoch in range(epochs):
+        counts = [len(o[1][epoch]) for o in outcomes]
+        assert len(set(counts)) == 1, f"epoch {epoch}: batches per rank {counts}"
+        if cfg.even_batches == "pad" and cfg.samples_per_epoch is None:
+            real = sorted(i for o in outcomes for ids, pad in o[1][epoch]
+                          for i in ids[:len(ids) - pad])
+            assert real == epoch_samples(cfg, epoch), f"epoch {epoch}"

@@ -15,10 +15,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Generator, Iterator, Sequence
 
+import numpy as np
+
 from .._mx import arrays as mx_arrays
 from .._mx.padding import pad_rows
 from .._utils.random import batch_seed
-from .batching import Batch, BatchPlanner, Position, Segment, WindowMixer
+from .batching import Batch, BatchPlanner, MixedUnit, Position, Segment, WindowMixer
 from .contracts import BatchPath
 from ..errors import InvalidState, StreamError
 from .feed import Carry, MixedData, UnitFeed, UnitSources, WindowFeed
@@ -453,8 +455,12 @@ class EpochPass:
                 tried.append(f"{key!r}: {type(exc).__name__}")
                 continue
             if len(shard):
-                seg = Segment(run.epoch, 0, 0, min(bs, len(shard)), key)
-                data = self.path.join([self.path.cut(shard, seg)],
+                rows, unit = min(bs, len(shard)), shard
+                if self.settings.window > 1:  # the path gathers a mixed unit from its shards
+                    mixed = MixedUnit(0, np.zeros(rows, np.int64), np.arange(rows), ())
+                    unit = self.path.mix(MixedData(mixed, {0: shard}, key))
+                seg = Segment(run.epoch, 0, 0, rows, key)
+                data = self.path.join([self.path.cut(unit, seg)],
                                       batch_seed(stream.seed, run.epoch, count))
                 if self.settings.ctx is not None:
                     data = mx_arrays.place(data, self.settings.ctx)
