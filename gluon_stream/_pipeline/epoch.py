@@ -455,7 +455,8 @@ class EpochPass:
                 tried.append(f"{key!r}: {type(exc).__name__}")
                 continue
             if len(shard):
-                rows, unit = min(bs, len(shard)), shard
+                rows = min(bs, len(shard))
+                unit: Any = shard  # or the mixed unit a mixing path gathers from it
                 if self.settings.window > 1:  # the path gathers a mixed unit from its shards
                     mixed = MixedUnit(0, np.zeros(rows, np.int64), np.arange(rows), ())
                     unit = self.path.mix(MixedData(mixed, {0: shard}, key))
