@@ -167,7 +167,8 @@ def test_the_deal_gives_every_part_a_share_or_equal_counts(sizes, parts, even, k
     part; the counts every part yields come from every part's samples, the same on all."""
     import random
 
-    from gluon_stream._pipeline.ranks import choose_deal, even_count, stride_share
+    from gluon_stream._pipeline.ranks import choose_deal, even_count
+    from gluon_stream._pipeline.sizes import part_count
 
     deal, why = choose_deal(even, fixed, known, parts, len(sizes))
     assert (deal == "shards") == (why == "")
@@ -178,7 +179,7 @@ def test_the_deal_gives_every_part_a_share_or_equal_counts(sizes, parts, even, k
         random.Random(seed).shuffle(order)
         totals = [sum(sizes[k] for k in order[p::parts]) for p in range(parts)]
     else:
-        totals = [sum(stride_share(n, p, parts, deal == "samples") for n in sizes)
+        totals = [sum(part_count(n, parts, p, deal) for n in sizes)
                   for p in range(parts)]
         if deal == "samples":
             assert len(set(totals)) == 1  # equal by construction, nothing known ahead
