@@ -14,11 +14,11 @@ from .elastic import merge_states
 from .errors import (BatchTimeout, CorruptShard, LoaderClosed, SchemaMismatch, ShardError,
                      ShardTimeout, StreamError, UnsafeShard, WorkerDied)
 from .errors import (CacheFull, CheckpointConflict, CommandNotFound, InvalidState,
-                     SizeUnknown, StaleShard, UnbatchableShard, UnsafeKey)
+                     MemoryBudgetTooSmall, SizeUnknown, StaleShard, UnbatchableShard, UnsafeKey)
 from .loader import StreamLoader
 from .shardfile import inspect_shard, load_shard, write_shard
 from .sources import CommandSource, FileSource, FunctionSource, MixSource, Source
-from .stats import EpochRecord, ShardRecord, Stats
+from .stats import EpochRecord, ShardRecord, Stats, TuningRecord
 from .stream import EpochRun, Shard, ShardStream
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "FunctionSource",
     "InvalidState",
     "LoaderClosed",
+    "MemoryBudgetTooSmall",
     "MixSource",
     "SchemaMismatch",
     "Shard",
@@ -50,6 +51,7 @@ __all__ = [
     "StreamError",
     "StreamIter",
     "StreamLoader",
+    "TuningRecord",
     "UnbatchableShard",
     "UnsafeKey",
     "UnsafeShard",

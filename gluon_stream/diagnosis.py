@@ -47,11 +47,13 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Iterable, Sequence
 
+from ._utils.validate import format_bytes
+
 if TYPE_CHECKING:
-    from .records import EpochRecord, ShardRecord
+    from .records import EpochRecord, ShardRecord, TuningRecord
 
 __all__ = ["BOTTLENECKS", "Diagnosis", "LoaderSettings", "WAIT_THRESHOLD", "available_cores",
            "diagnose"]
@@ -83,6 +85,7 @@ class LoaderSettings:
         pin_memory: Batches are made in pinned memory.
         shuffle_window: Shards whose samples are mixed.
         batch_size: Samples per batch (None: unknown).
+        memory_budget: Bytes of ``memory_budget`` (None: no budget, nothing tuned).
     """
 
     producers: int | None = None
@@ -97,6 +100,7 @@ class LoaderSettings:
     pin_memory: bool = False
     shuffle_window: int = 1
     batch_size: int | None = None
+    memory_budget: int | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,15 @@ class Diagnosis:
             if key in ev]
         if who:
             lines.append("  " + ", ".join(who))
+        if "memory_budget" in ev:
+            limited = "the budget limited them" if ev["budget_limited"] else \
+                "the budget did not limit them"
+            lines.append(f"  tuned within memory_budget={format_bytes(ev['memory_budget'])}: "
+                         f"prefetch {ev['tuned_prefetch']:.0f}, producers "
+                         f"{ev['tuned_producers']:.0f}" + (
+                             f", num_workers {ev['tuned_num_workers']:.0f}"
+                             if "tuned_num_workers" in ev else "")
+                         + f" ({ev['tuning_changes']:.0f} changes; {limited})")
         return "\n".join(lines)
 
 
@@ -164,7 +177,7 @@ def available_cores() -> int:
 
 def diagnose(epochs: Sequence["EpochRecord"], shards: Iterable["ShardRecord"],
              settings: LoaderSettings | None = None, *, now: float | None = None,
-             cores: int | None = None) -> Diagnosis:
+             cores: int | None = None, tuning: Sequence["TuningRecord"] = ()) -> Diagnosis:
     """The verdict over ``epochs`` and ``shards`` (see the module doc for the rule).
 
     Args:
@@ -174,8 +187,39 @@ def diagnose(epochs: Sequence["EpochRecord"], shards: Iterable["ShardRecord"],
         now: Seconds since the records' origin: a pass in progress without a progress bar has
             no wall time yet, and counts until ``now``.
         cores: Cores to bound the advice by (default: :func:`available_cores`).
+        tuning: The changes ``memory_budget``'s tuner made, oldest first: the settings it
+            reached and whether the budget limited them are added to the evidence, and to a
+            shard bottleneck's advice when the budget held the settings back.
     """
     settings = settings if settings is not None else LoaderSettings()
+    budget_bytes = settings.memory_budget
+    if budget_bytes is None:
+        return _diagnose(epochs, shards, settings, now, cores)
+    tuned = {"prefetch": settings.prefetch, "producers": settings.producers or 1,
+             "num_workers": settings.num_workers}
+    for change in tuning:
+        tuned[change.setting] = change.new
+    settings = replace(settings, prefetch=tuned["prefetch"], producers=tuned["producers"],
+                       num_workers=tuned["num_workers"])  # the advice starts from these
+    verdict = _diagnose(epochs, shards, settings, now, cores)
+    limited = bool(tuning) and tuning[-1].limited
+    verdict.evidence.update(memory_budget=float(budget_bytes),
+                            tuned_prefetch=float(tuned["prefetch"]),
+                            tuned_producers=float(tuned["producers"]),
+                            tuning_changes=float(len(tuning)), budget_limited=float(limited))
+    if settings.per_sample:
+        verdict.evidence["tuned_num_workers"] = float(tuned["num_workers"])
+    if limited and verdict.bottleneck in _PHASES:
+        budget = format_bytes(budget_bytes)
+        return Diagnosis(verdict.bottleneck, f"memory_budget={budget} held the tuned settings "
+                                             f"back: raise it, or {verdict.advice}",
+                         verdict.evidence)
+    return verdict
+
+
+def _diagnose(epochs: Sequence["EpochRecord"], shards: Iterable["ShardRecord"],
+              settings: LoaderSettings, now: float | None, cores: int | None) -> Diagnosis:
+    """:func:`diagnose` without the tuning."""
     cores = cores if cores is not None else available_cores()
     wall = stall = shard_w = mix_w = worker_w = place = samples = 0.0
     batches, producers, startup = 0, 0, None

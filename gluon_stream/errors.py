@@ -20,6 +20,7 @@ they resemble, so ``except ValueError`` or ``except TimeoutError`` keep working:
         InvalidState(ValueError)        a resume state that is malformed or from other settings
         CheckpointConflict(ValueError)  another checkpoint handler beside a StreamCheckpoint
         SizeUnknown(TypeError)          len() or even_batches needs a shard size not known yet
+        MemoryBudgetTooSmall(MemoryError) memory_budget cannot hold the shards the loader needs
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ __all__ = [
     "CorruptShard",
     "InvalidState",
     "LoaderClosed",
+    "MemoryBudgetTooSmall",
     "SchemaMismatch",
     "ShardError",
     "ShardTimeout",
@@ -199,6 +201,13 @@ class CheckpointConflict(StreamError, ValueError):
     """A :class:`~gluon_stream.StreamCheckpoint` shares an ``Estimator.fit`` with another
     checkpoint handler: each would shorten what a resumed run trains, and only one writes the
     loader's state. The message names the other handler."""
+
+
+class MemoryBudgetTooSmall(StreamError, MemoryError):
+    """``memory_budget`` cannot hold what the loader needs at the least: the shard being
+    trained on plus one more (and the copy a producer makes of it), or a shard is larger than
+    the whole budget. Raised before the first batch of the shard that showed it; the message
+    names the budget, the shard's key and its size."""
 
 
 class SizeUnknown(StreamError, TypeError):

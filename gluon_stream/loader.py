@@ -44,6 +44,8 @@ from ._pipeline.starts import PassStarts
 from ._pipeline.counts import BatchCounts
 from .stats import Stats
 from .stream import ShardStream
+from ._pipeline.tuning import Tuner
+from ._utils.cores import usable_cores
 
 __all__ = ["StreamLoader"]
 
@@ -93,7 +95,8 @@ class StreamLoader(Closing):
             ``gluon.data.DataLoader``: ``num_workers > 0`` forks that many worker processes
             (once, here), ``thread_pool=True`` uses threads instead. Without
             ``batchify_fn``/``sample_transform`` batches are slices and no workers are needed.
-        prefetch: Shards produced ahead of the one being consumed (default 2).
+        prefetch: Shards produced ahead of the one being consumed (default 2, or tuned within
+            ``memory_budget`` when not given).
         producers: Shards produced in parallel (threads, default 1), or a
             ``concurrent.futures.Executor`` (e.g. a dask client's) that generates them into a
             shared ``cache_dir``.
@@ -136,6 +139,16 @@ class StreamLoader(Closing):
         shards_on_ctx: With one ``ctx`` and no per-sample work, copy each whole shard there in
             its producer thread, so batches are slices already on the device and nothing is
             copied per batch; costs up to ``prefetch + 1`` shards of device memory.
+        memory_budget: Bytes, or a string with a unit (``"4GiB"``, ``"512MB"``), the loader may
+            hold for data: shards produced or loading, the copies producers make, batches in
+            flight and the per-sample workers' slots. Within it ``prefetch``, ``producers`` and,
+            on the per-sample path, the worker processes making batches (one is forked per
+            usable core, and batches go to as many as help) are tuned live from where the
+            loop waits (a setting given explicitly stays as given); each change is logged at INFO with its reason and kept in
+            ``loader.stats.tuning``. A budget that cannot hold the shard being trained on plus
+            one more raises :class:`~gluon_stream.MemoryBudgetTooSmall` before the first batch
+            of the shard that shows it. Batches are the same whatever the tuner picks. See the
+            performance guide.
 
     Example:
         >>> import numpy as np
@@ -156,7 +169,7 @@ class StreamLoader(Closing):
                  sample_transform: Callable[..., Any] | None = None,
                  sample_format: SampleFormat = "auto", shuffle: bool = _validate.UNSET,
                  shuffle_window: int = 1, seed: int | None = _validate.UNSET,
-                 last_batch: LastBatch = "keep", num_workers: int = 0,
+                 last_batch: LastBatch = "keep", num_workers: int = _validate.UNSET,
                  thread_pool: bool = False,
                  batchify_fn: Callable[[list], Any] | None = None, pin_memory: bool = False,
                  pin_device_id: int = 0, timeout: float = 120,
@@ -169,11 +182,13 @@ class StreamLoader(Closing):
                  shard_sizes: Mapping[Any, int] | Callable[[Any], int] | int | None
                  = _validate.UNSET, num_epochs: int | None = _validate.UNSET,
                  ctx: Any = None, shards_on_ctx: bool = False,
-                 samples_per_epoch: int | None = None) -> None:
+                 samples_per_epoch: int | None = None,
+                 memory_budget: int | str | None = _validate.UNSET) -> None:
         import_mxnet()
         self.batch_size = _validate.integer("batch_size", batch_size, minimum=1)
         self.last_batch = _validate.choice("last_batch", last_batch, LAST_BATCH_MODES)
-        self.num_workers = _validate.integer("num_workers", num_workers, minimum=0)
+        self.num_workers = _validate.integer(
+            "num_workers", num_workers if _validate.is_set(num_workers) else 0, minimum=0)
         self.timeout = _validate.seconds("timeout", timeout)
         _check_even_batches(even_batches, self.last_batch)
         _validate.callable_or_none("sample_transform", sample_transform)
@@ -184,7 +199,8 @@ class StreamLoader(Closing):
             ("prefetch", prefetch), ("producers", producers), ("on_error", on_error),
             ("schema", schema), ("stats", stats), ("num_parts", num_parts),
             ("part_index", part_index), ("kvstore", kvstore), ("shard_sizes", shard_sizes),
-            ("num_epochs", num_epochs)) if _validate.is_set(value)}
+            ("num_epochs", num_epochs), ("memory_budget", memory_budget))
+            if _validate.is_set(value)}
         stream, owns = _stream_of(source, given, even_batches, samples_per_epoch)
         self.shuffle_window = _validate.integer("shuffle_window", shuffle_window, minimum=1)
         if self.shuffle_window > 1 and not stream.shuffle:
@@ -207,6 +223,13 @@ class StreamLoader(Closing):
         self.stream = stream
         self.progress = progress
         self.vectorised = batchify_fn is None and sample_transform is None
+        # memory_budget on the per-sample path, num_workers not given: the tuner picks how
+        # many of one worker process per usable core (forked here, once) make batches
+        self._tuned_workers = (usable_cores() if stream.tuner is not None and not self.vectorised
+                               and not _validate.is_set(num_workers) and not thread_pool
+                               else 0)
+        if self._tuned_workers:
+            self.num_workers = self._tuned_workers
         self.samples_per_epoch = (None if samples_per_epoch is None else _validate.integer(
             "samples_per_epoch", samples_per_epoch, minimum=1, hint="or None"))
         stream.keep_keys = self.samples_per_epoch is not None  # epochs restart passes
@@ -221,15 +244,18 @@ class StreamLoader(Closing):
                                       None if self.shards_on_ctx else self.ctx,
                                       self.samples_per_epoch)
         self._res = _LoaderResources(stream, owns, path)
+        if stream.tuner is not None:  # what the loader holds besides shards
+            _watch(self, stream.tuner, path)
         # the settings stats.diagnose() bases its advice on
         stream.stats.describe(
             producers=stream.producers, auto_producers=stream.auto_producers,
             remote=isinstance(producers, Executor), prefetch=stream.prefetch,
-            num_workers=self.num_workers, thread_pool=bool(thread_pool),
+            num_workers=1 if self._tuned_workers else self.num_workers,
+            thread_pool=bool(thread_pool),
             per_sample=not self.vectorised, shards_on_ctx=self.shards_on_ctx,
             contexts=len(self.ctx) if isinstance(self.ctx, list) else int(self.ctx is not None),
             pin_memory=bool(pin_memory), shuffle_window=self.shuffle_window,
-            batch_size=self.batch_size)
+            batch_size=self.batch_size, memory_budget=stream.memory_budget)
         self._finalizer = weakref.finalize(self, self._res.close)
         track(self, self._finalizer)
 
@@ -416,9 +442,26 @@ def _batch_path(loader: StreamLoader, retries: int) -> BatchPath:
     workers: Workers = mx_workers.make_workers(
         loader.num_workers, bool(loader.thread_pool),
         {"sample_transform": loader.sample_transform, "batchify_fn": loader.batchify_fn,
-         "sample_format": loader.sample_format}, retries)
+         "sample_format": loader.sample_format}, retries,
+        active=1 if loader._tuned_workers else None)
     return SamplePath(workers, loader.timeout, mx_arrays.batch_context(True, loader.pin_device_id)
                       if loader.pin_memory else None)
+
+
+def _watch(loader: StreamLoader, tuner: Tuner, path: BatchPath) -> None:
+    """Tell the tuner what the loader holds besides shards: rows of batches, at most the
+    loop's batch and the next one (placed on ``ctx``, or copied by a per-sample path), and on
+    the per-sample path the batches each worker makes ahead and its slots (one more); and
+    the workers it may give batches to, when ``num_workers`` was not given."""
+    tuner.set_window(loader.shuffle_window)
+    per_worker = loader.batch_size * (mx_workers.PER_WORKER + 1)
+    fixed = loader.num_workers if isinstance(path, SamplePath) and path.workers.depth > 1 else 0
+    tuner.reserve_rows(2 * loader.batch_size
+                       + (0 if loader._tuned_workers else fixed * per_worker))
+    if loader._tuned_workers and isinstance(path, SamplePath):
+        workers = path.workers
+        assert isinstance(workers, mx_workers.ProcessWorkers)  # forked, one per core
+        tuner.watch_workers(workers, lambda: path.wait_s, per_worker, loader._tuned_workers)
 
 
 def _check_ctx(ctx: Any, shards_on_ctx: bool, vectorised: bool) -> Any:

@@ -1,12 +1,13 @@
-"""What a stream records as it runs: how each shard was produced (:class:`ShardRecord`) and
-what each pass delivered and waited for (:class:`EpochRecord`). Plain data: the stream and
+"""What a stream records as it runs: how each shard was produced (:class:`ShardRecord`),
+what each pass delivered and waited for (:class:`EpochRecord`), and each setting the
+``memory_budget`` tuner changed (:class:`TuningRecord`). Plain data: the stream and
 the pass fill them, :class:`~gluon_stream.Stats` keeps them, ``diagnose()`` reads them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["EpochRecord", "ShardRecord"]
+__all__ = ["EpochRecord", "ShardRecord", "TuningRecord"]
 
 
 @dataclass
@@ -25,6 +26,7 @@ class ShardRecord:
         error: ``"Type: message"`` for a shard skipped by ``on_error='skip'``, else None.
         source: The name of the source it came from in a :class:`~gluon_stream.MixSource`
             (None for a source used alone, and for a skipped shard).
+        nbytes: Bytes of its arrays after the transform (0: not measured).
     """
 
     key: Any
@@ -37,6 +39,7 @@ class ShardRecord:
     producer: str = ""
     error: str | None = None
     source: str | None = None
+    nbytes: int = 0
 
 
 @dataclass
@@ -81,3 +84,26 @@ class EpochRecord:
     place_s: float = 0.0
     start_s: float | None = None
     producers: int = 0
+
+
+@dataclass
+class TuningRecord:
+    """One change the ``memory_budget`` tuner made to a setting.
+
+    Attributes:
+        time_s: When, in seconds since the :class:`~gluon_stream.Stats` was created.
+        epoch: The epoch of the shard after which it was decided.
+        setting: ``'prefetch'`` or ``'producers'``.
+        old: The value before.
+        new: The value after.
+        reason: Why, in words (as logged at INFO).
+        limited: The budget stopped the change short of what the measurements asked for.
+    """
+
+    time_s: float
+    epoch: int
+    setting: str
+    old: int
+    new: int
+    reason: str
+    limited: bool = False

@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple
 
 from .diagnosis import Diagnosis, LoaderSettings, diagnose
-from .records import EpochRecord, ShardRecord
+from .records import EpochRecord, ShardRecord, TuningRecord
 from ._utils.timeline import TRAIN_LANE, plot_timeline, write_chrome_trace
 
-__all__ = ["EpochRecord", "ShardRecord", "ShardTotals", "Span", "Stats"]
+__all__ = ["EpochRecord", "ShardRecord", "ShardTotals", "Span", "Stats", "TuningRecord"]
 
 MAX_SPANS = 50_000
 MAX_SHARD_RECORDS = 10_000  # the latest ones; totals cover every shard ever produced
@@ -110,6 +110,8 @@ class Stats:
         self.spans: collections.deque[Span] = collections.deque(maxlen=MAX_SPANS)
         self.totals_produced = ShardTotals()
         self._delivered: dict[str, int] = {}  # samples the loop received, per MixSource source
+        #: the settings ``memory_budget``'s tuner changed, in order (one record per change)
+        self.tuning: collections.deque[TuningRecord] = collections.deque(maxlen=MAX_EPOCH_RECORDS)
         self.settings: LoaderSettings | None = None  # what the loader runs with (describe)
         self._lock = threading.Lock()
 
@@ -132,6 +134,11 @@ class Stats:
             with self._lock:
                 for name, samples in per_source.items():
                     self._delivered[name] = self._delivered.get(name, 0) + samples
+
+    def add_tuning(self, record: TuningRecord) -> None:
+        """Record a setting the ``memory_budget`` tuner changed."""
+        with self._lock:
+            self.tuning.append(record)
 
     def new_epoch(self, epoch: int) -> EpochRecord:
         """Start and return the record of a new pass."""
@@ -202,6 +209,7 @@ class Stats:
         with self._lock:
             return {"shards": [asdict(s) for s in self.shards],
                     "epochs": [asdict(e) for e in self.epochs],
+                    "tuning": [asdict(t) for t in self.tuning],
                     "totals": asdict(self.totals_produced)}
 
     def summary(self) -> str:
@@ -267,7 +275,9 @@ class Stats:
         """
         with self._lock:
             epochs, shards, settings = list(self.epochs), list(self.shards), self.settings
-        return diagnose(epochs, shards, settings, now=self.clock() - self.origin)
+            tuning = list(self.tuning)
+        return diagnose(epochs, shards, settings, now=self.clock() - self.origin,
+                        tuning=tuning)
 
     # -- export ----------------------------------------------------------------------------
     def plot(self, path: str | os.PathLike | None = None, *, ax: Any = None,

@@ -40,6 +40,7 @@ from ._pipeline.sizes import ShardSizes, part_rows
 from ._pipeline.keys import KeyTape, part_keys
 from ._pipeline.producers import ProducerPool, Throttle
 from ._pipeline.remainder import Remainder
+from ._pipeline.tuning import DEFAULT_PREFETCH, START_PREFETCH, Limits, Tunable, Tuner
 from .records import ShardRecord
 from .stats import Stats
 
@@ -92,7 +93,8 @@ class ShardStream(Closing):
         transform: ``transform(raw) -> arrays`` per shard, run in a producer thread; ``raw`` is
             the ``.npy`` array or the tuple of ``.npz`` arrays. Returns an array, a tuple or a
             dict of arrays with a common first (sample) dimension.
-        prefetch: Shards produced ahead of the one being consumed (0: none).
+        prefetch: Shards produced ahead of the one being consumed (0: none; default 2, or
+            tuned within ``memory_budget`` when not given).
         producers: Shards produced at once. ``'auto'`` (default): one, and one more each time
             the consumer waits for a shard while every producer is busy and a core is free, up
             to ``min(prefetch, cores)``, counting the cores this process may use (its CPU
@@ -132,6 +134,13 @@ class ShardStream(Closing):
             are loaded. ``'auto'`` (default): ``2 * (prefetch + 1)`` with a cache, else 0, and
             with a ``cache_limit`` of N shards at most ``N - prefetch - 2`` (shards made ahead
             are not evicted before they are read).
+        memory_budget: Bytes (or a string with a unit: ``"4GiB"``, ``"512MB"``) the stream may
+            hold for data: shards produced or loading ahead, the copies producers make, and what
+            a loader keeps in flight. Within it ``prefetch`` and ``producers`` (unless given)
+            are tuned live from what is measured, each change logged at INFO with its reason
+            and kept in :attr:`Stats.tuning`; a budget that cannot hold the shard in use plus
+            one more raises :class:`~gluon_stream.MemoryBudgetTooSmall` (see
+            :mod:`gluon_stream._pipeline.tuning` and the performance guide).
 
     Example:
         >>> from gluon_stream import FunctionSource
@@ -141,7 +150,7 @@ class ShardStream(Closing):
     """
 
     def __init__(self, source: Source, *, transform: Callable[[Any], Any] | None = None,
-                 prefetch: int = 2, producers: int | str | cf.Executor = "auto",
+                 prefetch: int = _validate.UNSET, producers: int | str | cf.Executor = "auto",
                  shuffle: bool = False,
                  seed: int | None = None, on_error: OnError = "raise",
                  schema: Sequence[tuple[Any, Sequence[int]]] | None = None,
@@ -149,15 +158,22 @@ class ShardStream(Closing):
                  part_index: int | str = 0, kvstore: Any = None,
                  shard_sizes: Mapping[Any, int] | Callable[[Any], int] | int | None = None,
                  num_epochs: int | None = None, deal: str = "shards",
-                 generate_ahead: int | str = "auto") -> None:
+                 generate_ahead: int | str = "auto",
+                 memory_budget: int | str | None = None) -> None:
         if not isinstance(source, Source):
             raise TypeError(f"source must be a CommandSource, FunctionSource or FileSource, got "
                             f"{type(source).__name__}")
-        prefetch = _validate.integer("prefetch", prefetch, minimum=0)
+        budget = (None if memory_budget is None
+                  else _validate.byte_size("memory_budget", memory_budget))
+        fixed_prefetch = _validate.is_set(prefetch)
+        prefetch = _validate.integer("prefetch", prefetch if fixed_prefetch else (
+            DEFAULT_PREFETCH if budget is None else START_PREFETCH), minimum=0)  # starts low
         self._remote = producers if isinstance(producers, cf.Executor) else None
         self.auto_producers = producers == "auto"
         if self._remote is not None:  # local threads only wait for, load and transform shards
             throttle = Throttle(prefetch + 1, prefetch + 1)
+        elif self.auto_producers and budget is not None:  # the tuner sets the count
+            throttle = Throttle(1, usable_cores())
         elif self.auto_producers:
             throttle = Throttle(1, max(1, min(prefetch, usable_cores())))
         else:
@@ -195,11 +211,9 @@ class ShardStream(Closing):
         self.sizes = ShardSizes(source, transform, shard_sizes, self.deal, self.num_parts,
                                 self.part_index, self.epoch_keys, self.remainder_of)
         caches = bool(getattr(source, "cached", False)) and self._remote is None
+        self._generate_auto = generate_ahead == "auto" and caches
         if generate_ahead == "auto":
-            self.generate_ahead = 2 * (prefetch + 1) if caches else 0
-            room = source.cache_room
-            if room is not None:  # shards made ahead must not be evicted before they are read
-                self.generate_ahead = max(0, min(self.generate_ahead, room - prefetch - 2))
+            self.generate_ahead = self._auto_generate_ahead(prefetch) if caches else 0
         else:
             self.generate_ahead = _validate.integer("generate_ahead", generate_ahead, minimum=0,
                                                     hint="or 'auto'")
@@ -210,8 +224,23 @@ class ShardStream(Closing):
         self.num_epochs = (None if num_epochs is None
                            else _validate.integer("num_epochs", num_epochs, minimum=1))
         self._res = ProducerPool(source, throttle)
+        self.memory_budget = budget
+        target: Tunable = self
+        self.tuner = None if budget is None else Tuner(
+            target, Limits(budget, throttle.bound, fixed_prefetch=fixed_prefetch,
+                           fixed_producers=not self.auto_producers),
+            lambda: self.stats.clock() - self.stats.origin, self.stats.add_tuning)
         self._finalizer = weakref.finalize(self, self._res.close)
         track(self, self._finalizer)
+
+    def _auto_generate_ahead(self, prefetch: int) -> int:
+        """``generate_ahead='auto'`` for ``prefetch``: two windows' worth, within the
+        ``cache_limit``."""
+        ahead = 2 * (prefetch + 1)
+        room = self.source.cache_room
+        if room is not None:  # shards made ahead must not be evicted before they are read
+            ahead = max(0, min(ahead, room - prefetch - 2))
+        return ahead
 
     # -- configuration ------------------------------------------------------------------
     @property
@@ -219,11 +248,28 @@ class ShardStream(Closing):
         """Shards produced at once now (with ``'auto'``, it grows up to its bound)."""
         return self._res.throttle.active
 
+    def set_prefetch(self, prefetch: int) -> None:
+        """Produce ``prefetch`` shards ahead from the next shard on (the ``memory_budget``
+        tuner; shards already ahead beyond it are handed out as usual). ``generate_ahead='auto'``
+        follows it."""
+        self.prefetch = _validate.integer("prefetch", prefetch, minimum=0)
+        if self._generate_auto:
+            self.generate_ahead = self._auto_generate_ahead(self.prefetch)
+
+    def set_producers(self, producers: int) -> None:
+        """Produce ``producers`` shards at once (the ``memory_budget`` tuner), within the
+        producer threads the stream has."""
+        self._res.throttle.set_active(_validate.integer("producers", producers, minimum=1))
+
     def _waited(self, key: Any, queued: int = 0) -> None:
         """The consumer had to wait for shard ``key``: with ``'auto'``, add a producer if every
         producer is busy (running, or about to run one of the ``queued`` shards) and a core
-        is free (the loop, waiting, uses none)."""
+        is free (the loop, waiting, uses none). With a ``memory_budget`` the tuner decides,
+        from this and the budget."""
         throttle = self._res.throttle
+        if self.tuner is not None:
+            self.tuner.waited(throttle.running + queued >= throttle.active)
+            return
         if not self.auto_producers or throttle.running + queued < throttle.active:
             return
         if throttle.grow():
@@ -480,6 +526,7 @@ class ShardStream(Closing):
                 raise
             arrays = normalize_arrays(value, what=f"transform output of shard {key!r}")
         full_size = len(arrays[0])
+        nbytes = sum(int(getattr(a, "nbytes", 0)) for a in arrays)
         order = None if whole else self.row_order(key, epoch, full_size, index)
         if run is not None and run.cancelled:
             raise LoaderClosed("epoch pass cancelled")
@@ -496,7 +543,7 @@ class ShardStream(Closing):
         self.stats.add_span(lane, "load", gen_end, load_end, key)
         self.stats.add_span(lane, "transform", max(load_end, t1), t2, key)
         shard.record = ShardRecord(key, epoch, len(shard), raw.cache_hit, raw.generate_s,
-                                   raw.load_s, t2 - t1, lane, source=raw.source)
+                                   raw.load_s, t2 - t1, lane, source=raw.source, nbytes=nbytes)
         return shard
 
     def _check_schema(self, shard: Shard) -> None:
@@ -809,6 +856,11 @@ class EpochRun:
             record = shard.record
             assert record is not None  # _make records every shard it makes
             stream.stats.add_shard(record)
+            if stream.tuner is not None:  # may refuse the shard: before any batch of it
+                stream.tuner.shard_ready(key, record.nbytes, record.samples, self.last_wait_s,
+                                         record.generate_s + record.load_s + record.transform_s,
+                                         self.epoch)
+                self._fill(stream.prefetch)  # a prefetch just raised fills the window now
             stream.sizes.remember(key, stream.made_epoch(self.epoch, index), shard.full_size)
             expected = stream.sizes.shard_size(key, self.epoch) if stream.sizes.declared(key) \
                 is not None and stream.remainder_of(self.epoch) is None else None

@@ -30,7 +30,8 @@ MANY_EPOCHS = ("stragglers", "window-epochs")  # tested apart, on smaller settin
 
 def test_bench_runs_end_to_end_and_json_has_every_contender_and_figure(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    scenarios = ",".join(s for s in bench.SCENARIOS if s not in MANY_EPOCHS)
+    # tuning: tested apart, in test_tuning.py
+    scenarios = ",".join(s for s in bench.SCENARIOS if s not in MANY_EPOCHS + ("tuning",))
     status = main(["bench", "--rounds", "1", "--shards", "2", "--rows", "150", "--step-ms", "0",
                    "--delay", "0", "--throughput-samples", "300", "--throughput-batch-size", "64",
                    "--memory-rows", "200", "--memory-epochs", "2", "--persample-images", "40",

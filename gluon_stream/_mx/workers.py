@@ -81,15 +81,16 @@ PER_WORKER = 2  # batches in flight per worker (MXNet's DataLoader keeps 2 * num
 EXIT_S = 1.0  # how long workers get to exit on close() before they are killed
 
 
-def make_workers(num_workers: int, thread_pool: bool, maker_args: dict, retries: int
-                 ) -> "InlineWorkers | ThreadWorkers | ProcessWorkers":
-    """The workers a loader's per-sample path runs on (see the module doc)."""
+def make_workers(num_workers: int, thread_pool: bool, maker_args: dict, retries: int,
+                 active: int | None = None) -> "InlineWorkers | ThreadWorkers | ProcessWorkers":
+    """The workers a loader's per-sample path runs on (see the module doc); ``active``: of
+    the processes, how many are given batches at first (the ``memory_budget`` tuner)."""
     if num_workers == 0:
         return InlineWorkers(BatchMaker(**maker_args))
     if thread_pool:
         return ThreadWorkers(num_workers, BatchMaker(**maker_args))
     return ProcessWorkers(num_workers, BatchMaker(**maker_args, in_worker=True),
-                          retries=retries)
+                          retries=retries, active=active)
 
 
 def _what(desc: str) -> str:
@@ -297,13 +298,18 @@ class ProcessWorkers:
         retries: Worker deaths allowed per shard per epoch (``on_error=('retry', n)``), each
             redoing the batches the dead worker held; 0: a death raises
             :class:`~gluon_stream.WorkerDied` from the next :meth:`result`.
+        active: Of the ``num_workers`` forked, how many are given batches (None: all);
+            :meth:`set_active` changes it (the ``memory_budget`` tuner: processes are forked
+            once, here, before the loader's threads exist, and never later).
     """
 
     uses_shared_memory = True
 
-    def __init__(self, num_workers: int, maker: BatchMaker, retries: int = 0) -> None:
+    def __init__(self, num_workers: int, maker: BatchMaker, retries: int = 0,
+                 active: int | None = None) -> None:
         self.num_workers = num_workers
-        self.depth = PER_WORKER * num_workers
+        self.active = num_workers if active is None else max(1, min(active, num_workers))
+        self.depth = PER_WORKER * self.active
         self.maker = maker
         self.retries = retries
         self.forks = 0
@@ -442,6 +448,12 @@ class ProcessWorkers:
         """An epoch's batches begin: each shard may again lose ``retries`` workers."""
         self._deaths.clear()
 
+    def set_active(self, active: int) -> None:
+        """Give batches to ``active`` of the workers from now on (1 .. ``num_workers``); a
+        worker left out finishes what it holds."""
+        self.active = max(1, min(active, self.num_workers))
+        self.depth = PER_WORKER * self.active
+
     def in_flight(self) -> int:
         """Batches the workers hold now: sent, not back yet (takes in what arrived, does not
         wait)."""
@@ -467,7 +479,7 @@ class ProcessWorkers:
                 continue
             if not self._queue:
                 return
-            worker = min(self._workers, key=lambda w: len(w.busy))
+            worker = min(self._workers[:self.active], key=lambda w: len(w.busy))
             if len(worker.busy) >= PER_WORKER:
                 return
             tid = self._queue.popleft()

@@ -21,7 +21,8 @@ class Throttle:
     """How many producers may work at once: fixed, or growing (``producers='auto'``).
 
     Producer threads exist up to ``bound``; a shard's production waits here until fewer than
-    ``active`` are running. :meth:`grow` admits one more.
+    ``active`` are running. :meth:`grow` admits one more; :meth:`set_active` (the
+    ``memory_budget`` tuner) sets the count.
     """
 
     def __init__(self, active: int, bound: int) -> None:
@@ -51,6 +52,13 @@ class Throttle:
             self.active += 1
             self._cond.notify()
             return True
+
+    def set_active(self, active: int) -> None:
+        """Let ``active`` producers work at once (within the bound); those at work beyond it
+        finish their shard."""
+        with self._cond:
+            self.active = max(1, min(active, self.bound))
+            self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:

@@ -23,6 +23,7 @@ TRAIN_PHASES = ("busy", "wait")
 COLORS = {"generate": "#e8a33d", "load": "#4c8bd6", "transform": "#b07aa1",
           "busy": "#1b9e77", "wait": "#d62728"}
 LABEL_PT = 7  # font size of the shard keys and epoch marks
+TUNING_COLOR = "#7a5195"  # the memory_budget tuner's changes
 
 
 def plot_timeline(stats: Any, path: str | os.PathLike | None = None, *, ax: Any = None,
@@ -34,7 +35,8 @@ def plot_timeline(stats: Any, path: str | os.PathLike | None = None, *, ax: Any 
     the ``train`` lane shows ``busy`` (your loop body) and ``wait`` (waiting for the next
     batch): red on the bottom lane is time the accelerator sat idle for lack of data. A
     dashed line marks where
-    each epoch started, ``*`` one that was interrupted. Needs matplotlib
+    each epoch started, ``*`` one that was interrupted; a dotted one, labelled at the bottom,
+    each setting the ``memory_budget`` tuner changed (``producers 1→2``). Needs matplotlib
     (``pip install 'gluon_stream[plot]'``).
 
     Args:
@@ -74,6 +76,7 @@ def plot_timeline(stats: Any, path: str | os.PathLike | None = None, *, ax: Any 
     _draw(ax, spans, lanes, title, stats.totals(), epochs)
     fig.tight_layout()
     _mark_epochs(ax, epochs)
+    _mark_tuning(ax, list(getattr(stats, "tuning", ())))
     _label_shards(ax, spans, lanes)
     if path is not None:
         fig.savefig(os.fspath(path), dpi=100)
@@ -186,6 +189,15 @@ def _mark_epochs(ax: Any, epochs: list[tuple[float, str]]) -> None:
         free[row] = start + (len(label) + 2) * char_px / px_per_s
         ax.text(start, 1.0, f" {label}", transform=rows[row], ha="left", va="bottom",
                 fontsize=LABEL_PT, color="#555555")
+
+
+def _mark_tuning(ax: Any, changes: list) -> None:
+    """A dotted line where the tuner changed a setting, ``setting old→new`` at the bottom."""
+    for change in changes:
+        ax.axvline(change.time_s, color=TUNING_COLOR, linestyle=":", linewidth=1.0)
+        ax.text(change.time_s, 0.0, f" {change.setting} {change.old}\u2192{change.new}",
+                transform=ax.get_xaxis_transform(), ha="left", va="bottom", rotation=90,
+                fontsize=LABEL_PT, color=TUNING_COLOR)
 
 
 def _scale(ax: Any) -> tuple[float, float]:

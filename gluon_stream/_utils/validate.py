@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from typing import Any, Callable, Iterable, Literal, overload
 
-__all__ = ["UNSET", "callable_or_none", "choice", "integer", "is_int", "is_set", "seconds"]
+__all__ = ["UNSET", "byte_size", "callable_or_none", "choice", "format_bytes", "integer", "is_int",
+           "is_set", "seconds"]
 
 
 class _Unset:
@@ -89,6 +91,51 @@ def seconds(name: str, value: Any, *, allow_none: bool = False, positive: bool =
     if value < 0 or (positive and value == 0):
         raise ValueError(_message(name, value, rule, hint))
     return value
+
+
+_UNITS = {"b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*")
+
+
+def byte_size(name: str, value: Any) -> int:
+    """``value`` as a positive number of bytes: an int, or a string with a unit (``"4GiB"``,
+    ``"512 MB"``; B, kB, MB, GB, TB by 1000, KiB, MiB, GiB, TiB by 1024); a ValueError naming
+    ``name`` otherwise.
+
+    Example:
+        >>> byte_size("memory_budget", "1.5 KiB")
+        1536
+    """
+    rule = "a positive number of bytes, or a string such as '4GiB' or '512MB'"
+    if is_int(value) and value >= 1:
+        return int(value)
+    match = _SIZE.fullmatch(value) if isinstance(value, str) else None
+    unit = match.group(2).lower() if match else ""
+    if match is None or (unit and unit not in _UNITS):
+        raise ValueError(_message(name, value, rule, f"units: {', '.join(_sorted_units())}"))
+    size = int(float(match.group(1)) * _UNITS[unit or "b"])
+    if size < 1:
+        raise ValueError(_message(name, value, rule, ""))
+    return size
+
+
+def _sorted_units() -> list[str]:
+    return ["B", "kB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB"]
+
+
+def format_bytes(size: float) -> str:
+    """``size`` bytes in binary units, for messages (``'38.0 MiB'``).
+
+    Example:
+        >>> format_bytes(3 * 2 ** 20)
+        '3.0 MiB'
+    """
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024 or unit == "GiB":
+            return f"{size:.0f} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"  # not reached
 
 
 def choice(name: str, value: Any, options: Iterable[Any], hint: str = "") -> Any:

@@ -5,7 +5,9 @@ expensive C++ program), the transform cuts sliding windows, and a small Gluon ne
 trains on the batches while the next shards are produced in the background. A progress
 bar per epoch shows samples/s and the share of time the loop waited for data; at the end
 the demo prints the stats table, the bottleneck verdict with its advice, and writes the
-pipeline timeline as a PNG (and, with --trace, a Chrome/Perfetto trace).
+pipeline timeline as a PNG (and, with --trace, a Chrome/Perfetto trace). The loader runs within
+a memory budget (--memory-budget) and tunes its producers and prefetch itself; the demo prints
+what it chose and why.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Any
 
 from .. import CommandSource, StreamLoader
 from .._mx import import_mxnet
+from .._utils.validate import byte_size
 from ..tools.generator import generator_command, make_windows
 from ..tools.models import small_regressor
 from ._args import (UsageError, ensure_writable_dir, non_negative_float, non_negative_int,
@@ -29,6 +32,7 @@ __all__ = ["DEFAULT_PLOT", "register", "run_demo"]
 logger = logging.getLogger(__name__)
 
 DEFAULT_PLOT = "gluon_stream_timeline.png"
+DEFAULT_BUDGET = "256MiB"
 
 
 def register(subparsers: Any) -> None:
@@ -47,10 +51,16 @@ def register(subparsers: Any) -> None:
                         help="seconds the generator sleeps per shard (the cost of making it)")
     parser.add_argument("--epochs", type=positive_int, default=2, help="passes over the shards")
     parser.add_argument("--batch-size", type=positive_int, default=128, help="windows per batch")
-    parser.add_argument("--prefetch", type=non_negative_int, default=2,
-                        help="shards produced ahead of the one in use")
-    parser.add_argument("--producers", type=positive_int, default=2,
-                        help="shards generated in parallel")
+    parser.add_argument("--prefetch", type=non_negative_int, default=None,
+                        help="shards produced ahead of the one in use (default: tuned within "
+                             "--memory-budget, or 2 without one)")
+    parser.add_argument("--producers", type=positive_int, default=None,
+                        help="shards generated in parallel (default: tuned within "
+                             "--memory-budget, or 2 without one)")
+    parser.add_argument("--memory-budget", default=DEFAULT_BUDGET, metavar="SIZE",
+                        help="memory the loader may hold for data, e.g. 256MiB or 2GB; it tunes "
+                             "the settings not given within it ('' for none; default: "
+                             f"{DEFAULT_BUDGET})")
     parser.add_argument("--cache-dir", default=None,
                         help="keep the shards here, created if needed, and reuse them next time "
                              "(default: a temporary directory, removed after)")
@@ -79,6 +89,7 @@ def run_demo(args: argparse.Namespace) -> int:
                          "would be trained; raise --shards or --rows, or lower --batch-size")
     if args.cache_dir:
         ensure_writable_dir(args.cache_dir, "--cache-dir")
+    settings = _settings(args)
     import_mxnet()
 
     start = datetime.date(2024, 1, 1)
@@ -90,8 +101,7 @@ def run_demo(args: argparse.Namespace) -> int:
         train_step = small_regressor("adam", lstm_hidden=64)
         with StreamLoader(source, batch_size=args.batch_size, shuffle=True, seed=0,
                           transform=lambda raw: make_windows(raw, args.time_steps),
-                          prefetch=args.prefetch, producers=args.producers,
-                          last_batch="rollover", progress=args.progress) as loader:
+                          last_batch="rollover", progress=args.progress, **settings) as loader:
             for epoch in range(args.epochs):
                 loader.set_epoch(epoch)
                 t0 = time.perf_counter()
@@ -105,8 +115,35 @@ def run_demo(args: argparse.Namespace) -> int:
                       f"{samples / wall:,.0f} samples/s, loss {total / max(samples, 1):.4f}")
             print(loader.stats.summary())
             print(loader.stats.diagnose().headline)
+            _print_tuning(loader, settings)
             _export(loader.stats, plot, args.trace)
     return 0
+
+
+def _settings(args: argparse.Namespace) -> dict:
+    """The loader's prefetch/producers/memory_budget: the ones given stay fixed; with a budget
+    the others are tuned, without one they are 2 (checked before any work)."""
+    settings = {name: value for name, value in (("prefetch", args.prefetch),
+                                                ("producers", args.producers))
+                if value is not None}
+    if args.memory_budget:
+        try:
+            settings["memory_budget"] = byte_size("--memory-budget", args.memory_budget)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        return settings
+    return {"prefetch": 2, "producers": 2, **settings}
+
+
+def _print_tuning(loader: StreamLoader, settings: dict) -> None:
+    """What the budget's tuner chose, and why (one line per change)."""
+    if "memory_budget" not in settings:
+        return
+    changes = list(loader.stats.tuning)
+    for change in changes:
+        print(f"tuned {change.setting} {change.old}\u2192{change.new}: {change.reason}")
+    if not changes:
+        print("tuned: nothing changed (the loop did not wait for shards)")
 
 
 def _plot_path(path: str | None) -> str:

@@ -45,7 +45,9 @@ batch onto its context, copying it itself or with ``ctx=`` (see :mod:`.placement
 ``throughput`` also runs ``shuffle_window=4`` beside 1 and measures how many shards a batch
 mixes for windows of 1, 2, 4 and 8. ``features``: what ``even_batches='pad'``,
 ``samples_per_epoch`` and ``MixSource`` cost in speed, and a saved state and ``diagnose()`` in
-milliseconds (see :mod:`.features`).
+milliseconds (see :mod:`.features`). ``tuning``: ``memory_budget`` alone (1 GiB) against a grid
+of hand-picked ``prefetch``/``producers``/``num_workers`` per workload, and a tight budget's
+peak memory and cost (see :mod:`.tuning`).
 
 Every run first records the machine's single-process reference rate (see :mod:`.reference`),
 printed above the tables and stored as ``reference``, so runs on different days compare.
@@ -65,9 +67,11 @@ from .persample import PERSAMPLE_CONTENDERS, run_persample_scenario
 from .placement import run_placement_scenario
 from .reference import reference_rate
 from .pipeline import (PIPELINE_CONTENDERS, PIPELINE_SCENARIOS, calibrate_delay,
-                       run_pipeline_scenario)
+                       generation_cost, run_pipeline_scenario)
 from .report import format_results, targets
-from .stragglers import STRAGGLER_CONTENDERS, ideal_in_order, run_stragglers_scenario
+from .stragglers import (STRAGGLER_CONTENDERS, ideal_in_order, run_stragglers_scenario,
+                         stragglers_workload)
+from .tuning import run_tuning_scenario
 from .throughput import THROUGHPUT_CONTENDERS, THROUGHPUT_SHAPES, mixing, run_throughput_scenario
 from .window_epochs import WINDOW_EPOCHS, WINDOW_EPOCHS_CONTENDERS, run_window_epochs_scenario
 from .workload import Workload, ideal_time, wave_bound
@@ -82,7 +86,7 @@ __all__ = ["BenchConfig", "PERSAMPLE_CONTENDERS", "PIPELINE_CONTENDERS", "PIPELI
 logger = logging.getLogger(__name__)
 
 SCENARIOS = (*PIPELINE_SCENARIOS, "throughput", "per-sample", "placement", "memory", "stragglers",
-             "window-epochs", "features")
+             "window-epochs", "features", "tuning")
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,14 @@ def run_bench(config: BenchConfig) -> dict:
             # 16 shards of a fifth of --throughput-samples rows each (default 4000)
             results[scenario] = run_features_scenario(
                 config.rounds, seed=base.seed, rows=max(2 * 64, config.throughput_samples // 5))
+        elif scenario == "tuning":
+            workloads = {name: replace(base, delay=delay_of(name)) for name in PIPELINE_SCENARIOS}
+            workloads["stragglers"] = stragglers_workload(
+                base, generation_cost(stragglers_workload(base, 0.0)) / 2
+                if config.delay is None else config.delay, batches=config.stragglers_batches,
+                dates=min(config.stragglers_dates, 10))
+            results[scenario] = run_tuning_scenario(workloads, config.rounds,
+                                                    config.persample_images, seed=base.seed)
         else:
             raise ValueError(f"unknown bench scenario {scenario!r}; choose from "
                              f"{', '.join(SCENARIOS)}")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from ...diagnosis import Diagnosis
 from .features import features_lines
+from .tuning import tuning_lines
 from .pipeline import PIPELINE_SCENARIOS
 
 __all__ = ["DIAGNOSED", "UNBOUNDED", "fmt", "format_results", "targets"]
@@ -208,6 +209,7 @@ def format_results(results: dict) -> str:
     lines.extend(_stragglers_lines(results.get("stragglers")))
     lines.extend(_window_epochs_lines(results.get("window-epochs")))
     lines.extend(features_lines(results.get("features")))
+    lines.extend(tuning_lines(results.get("tuning")))
     targets = results.get("targets")
     if targets:
         lines.append("\ntargets:")
