@@ -108,7 +108,7 @@ def test_children_forked_by_the_training_process_do_not_keep_orphaned_workers_al
     user's own child (a multiprocessing worker, a os.fork()) never holds it."""
     with gs.StreamLoader(gs.FunctionSource(range(3), id_shards(SIZES)), batch_size=4,
                          sample_transform=keep, num_workers=1) as loader:
-        write_end = next(iter(sys.modules["gluon_stream._mx.workers"]._PARENT_ENDS))
+        write_end = next(iter(sys.modules["gluon_stream._mx.parent_pipe"]._PARENT_ENDS))
         reader, writer = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: is the write end still open here?

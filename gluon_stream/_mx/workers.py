@@ -17,7 +17,7 @@ Three ways to run a :class:`~gluon_stream._mx.samples.BatchMaker`, one interface
   is still delivered exactly once, and past that the next :meth:`~ProcessWorkers.result`
   raises :class:`~gluon_stream.WorkerDied`. Workers ignore SIGINT (Ctrl-C is the loop's) and
   exit when the loader's process dies, whichever of its threads built them (see
-  :class:`_ParentPipe`).
+  :class:`~gluon_stream._mx.parent_pipe.ParentPipe`).
 
 Random augmentation (the ``seed`` of :meth:`submit`, apache/mxnet#9335): worker processes
 forked from one process inherit one numpy, one ``random`` and one MXNet RNG state, so without
@@ -61,7 +61,6 @@ import threading
 import time
 import traceback
 import warnings
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -69,6 +68,7 @@ import numpy as np
 
 from .._utils.closing import CLOSE_WAIT_S, WAIT_SLICE_S, end_thread_pool
 from ..errors import BatchTimeout, LoaderClosed, WorkerDied, add_note
+from .parent_pipe import ParentPipe, close_fd, exit_with_parent
 from .samples import BatchMaker, Refs, seed_mxnet_lazily
 from .shm import (SharedArrays, SlotTable, SlotWriter, attach, recv_fds, remove_worker_shm,
                   send_fds)
@@ -196,72 +196,6 @@ class ThreadWorkers(InlineWorkers):
                            "after close(); it ends when that call returns", thread.name)
 
 
-# -- dying with the loader's process ----------------------------------------------------------
-_PARENT_ENDS: set[int] = set()  # write ends of the pipes workers watch: this process's only
-
-
-class _ParentPipe:
-    """A pipe whose write end only the loader's process holds: its workers exit on EOF.
-
-    Why a pipe, not ``PR_SET_PDEATHSIG``: Linux sends that signal when the *thread* that forked
-    exits, so the workers of a loader built in a helper thread (a data thread, a notebook
-    kernel's thread) died with that thread. A pipe's write end closes when the last process
-    holding it is gone; this process is made the only one: every child forked here closes it
-    at once (an at-fork hook: the pool's other workers, and a user's own ``multiprocessing``
-    children, which would otherwise keep orphaned workers alive), and ``exec`` closes it
-    (``os.pipe`` fds are close-on-exec). multiprocessing's own parent sentinel has no such
-    hook: later forks, the pool's next workers included, inherit its write end. Forking from
-    one long-lived thread would keep PDEATHSIG but costs a thread per loader and a hand-off
-    per fork, and stays Linux-only; this works on any POSIX system.
-    """
-
-    def __init__(self) -> None:
-        self.read_fd, write_fd = os.pipe()
-        _PARENT_ENDS.add(write_fd)
-        self.close = weakref.finalize(self, _close_pipe, os.getpid(), self.read_fd, write_fd)
-
-
-def _close_pipe(owner: int, read_fd: int, write_fd: int) -> None:
-    if os.getpid() != owner:  # a fork's copy: the at-fork hook closed its write end already
-        return
-    _PARENT_ENDS.discard(write_fd)
-    for fd in (read_fd, write_fd):
-        _close_fd(fd)
-
-
-def _close_parent_ends() -> None:
-    """In a child forked from this process: hold no write end (see :class:`_ParentPipe`)."""
-    for fd in list(_PARENT_ENDS):
-        _close_fd(fd)
-    _PARENT_ENDS.clear()
-
-
-def _close_fd(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError as exc:  # not open in this process
-        logger.debug("fd %d already closed: %s", fd, exc)
-
-
-os.register_at_fork(after_in_child=_close_parent_ends)
-
-
-def _exit_with_parent(read_fd: int) -> None:
-    """In a worker: a daemon thread that ends the process when the pipe reads EOF (the
-    loader's process is gone), even while the main thread runs per-sample code."""
-    def watch() -> None:
-        try:
-            while os.read(read_fd, 1):  # nothing is ever written: only EOF returns
-                continue
-        except OSError as exc:  # the fd was closed under it (by per-sample code?)
-            logger.warning("worker %d cannot watch the loader's process (%s): it will not exit "
-                           "by itself if that process dies", os.getpid(), exc)
-            return
-        os._exit(0)
-
-    threading.Thread(target=watch, name="gluon_stream-parent-watch", daemon=True).start()
-
-
 # -- worker processes ------------------------------------------------------------------------------
 @dataclass
 class _Task:
@@ -326,7 +260,7 @@ class ProcessWorkers:
         self._slots = SlotTable()
         self._poller = select.poll()  # every worker's socket and process sentinel, kept
         self._watched: dict[int, tuple[_Worker, bool]] = {}  # fd -> (worker, is sentinel)
-        self._parent = _ParentPipe()
+        self._parent = ParentPipe()
         try:
             for _ in range(num_workers):
                 self._spawn()
@@ -707,9 +641,9 @@ def _worker_main(sock: socket.socket, maker: BatchMaker, inherited: list[int],
     """A worker's life: attach sources, make batches into its slots, send them back, until
     told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the training loop
-    _exit_with_parent(parent_fd)
+    exit_with_parent(parent_fd)
     for fd in inherited:  # the other workers' sockets and the loader's shard files
-        _close_fd(fd)
+        close_fd(fd)
     conn = mp_connection.Connection(sock.detach())
     sources: dict[int, tuple] = {}
     slots = SlotWriter()
@@ -738,6 +672,6 @@ def _worker_main(sock: socket.socket, maker: BatchMaker, inherited: list[int],
                     send_fds(conn, [new_fd])
             finally:
                 if new_fd is not None:
-                    _close_fd(new_fd)
+                    close_fd(new_fd)
         elif kind == "stop":
             return
