@@ -52,14 +52,11 @@ import logging
 import math
 import multiprocessing
 import multiprocessing.connection as mp_connection
-import os
-import pickle
 import select
 import signal
 import socket
 import threading
 import time
-import traceback
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -68,10 +65,10 @@ import numpy as np
 
 from .._utils.closing import CLOSE_WAIT_S, WAIT_SLICE_S, end_thread_pool
 from ..errors import BatchTimeout, LoaderClosed, WorkerDied, add_note
-from .parent_pipe import ParentPipe, close_fd, exit_with_parent
-from .samples import BatchMaker, Refs, seed_mxnet_lazily
-from .shm import (SharedArrays, SlotTable, SlotWriter, attach, recv_fds, remove_worker_shm,
-                  send_fds)
+from .parent_pipe import ParentPipe
+from .samples import BatchMaker, Refs
+from .shm import SharedArrays, SlotTable, recv_fds, remove_worker_shm, send_fds
+from .worker_process import unpickle_error, worker_main
 
 __all__ = ["InlineWorkers", "ProcessWorkers", "ThreadWorkers", "make_workers"]
 
@@ -274,7 +271,7 @@ class ProcessWorkers:
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         inherited = [w.conn.fileno() for w in self._workers] + [parent_sock.fileno()] + \
             [s.fd for s in self._sources.values()]
-        process = self._context.Process(target=_worker_main, daemon=True,
+        process = self._context.Process(target=worker_main, daemon=True,
                                         name=f"gluon_stream-worker-{self.forks}",
                                         args=(child_sock, self.maker, inherited,
                                               self._parent.read_fd))
@@ -470,7 +467,7 @@ class ProcessWorkers:
                               f"({_what(task.what)}) could not be read here")
                 self._results[tid] = _Failure(exc)
             return True
-        error = _unpickle_error(message[2])
+        error = unpickle_error(message[2])
         add_note(error, f"gluon_stream: raised in worker process {worker.pid} while making "
                         f"{_what(task.what)}")
         self._results[tid] = _Failure(error)
@@ -614,64 +611,3 @@ def _described(task: _Task) -> str:
     if task.what:  # names its shard already ("batch 3 of 9 of shard 'a'")
         return task.what
     return f"a batch of shard {task.key!r}" if task.key is not None else "a batch"
-
-
-def _pickle_error(exc: BaseException) -> bytes:
-    """The exception as bytes, keeping its type where it pickles; its traceback as a note."""
-    add_note(exc, "gluon_stream: traceback in the worker process:\n"
-                  + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
-    try:
-        return pickle.dumps(exc)
-    except Exception as why:  # an exception type pickle cannot rebuild
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        return pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc} (not picklable: {why})"
-                                         f"\n{text}"))
-
-
-def _unpickle_error(data: bytes) -> BaseException:
-    try:
-        return pickle.loads(data)
-    except Exception as exc:  # e.g. a class the loader's process cannot import
-        return RuntimeError(f"a worker raised an exception that cannot be rebuilt here: {exc}")
-
-
-# -- the worker process ------------------------------------------------------------------------
-def _worker_main(sock: socket.socket, maker: BatchMaker, inherited: list[int],
-                 parent_fd: int) -> None:
-    """A worker's life: attach sources, make batches into its slots, send them back, until
-    told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the training loop
-    exit_with_parent(parent_fd)
-    for fd in inherited:  # the other workers' sockets and the loader's shard files
-        close_fd(fd)
-    conn = mp_connection.Connection(sock.detach())
-    sources: dict[int, tuple] = {}
-    slots = SlotWriter()
-    seed_mxnet_lazily()
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return
-        kind = message[0]
-        if kind == "attach":
-            sources[message[1]] = attach(recv_fds(conn, 1)[0], message[2])
-        elif kind == "detach":
-            sources.pop(message[1], None)
-        elif kind == "task":
-            tid, refs, seed = message[1], message[2], message[3]
-            slots.release(message[4])  # slots whose batches the loader dropped
-            try:
-                payload, slot, size, retired, new_fd = slots.write(maker(sources, refs, seed))
-            except Exception as exc:
-                conn.send(("error", tid, _pickle_error(exc)))
-                continue
-            try:
-                conn.send(("done", tid, payload, slot, size, retired))
-                if new_fd is not None:  # a new slot: the loader maps it once
-                    send_fds(conn, [new_fd])
-            finally:
-                if new_fd is not None:
-                    close_fd(new_fd)
-        elif kind == "stop":
-            return
