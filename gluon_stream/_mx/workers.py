@@ -53,7 +53,6 @@ import math
 import multiprocessing
 import multiprocessing.connection as mp_connection
 import select
-import signal
 import socket
 import threading
 import time
@@ -64,10 +63,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from .._utils.closing import CLOSE_WAIT_S, WAIT_SLICE_S, end_thread_pool
-from ..errors import BatchTimeout, LoaderClosed, WorkerDied, add_note
+from ..errors import WorkerDied, add_note
 from .parent_pipe import ParentPipe
 from .samples import BatchMaker, Refs
 from .shm import SharedArrays, SlotTable, recv_fds, remove_worker_shm, send_fds
+from .worker_deaths import DeathBudget, closed_while, death, too_slow, what_of
 from .worker_process import unpickle_error, worker_main
 
 __all__ = ["InlineWorkers", "ProcessWorkers", "ThreadWorkers", "make_workers"]
@@ -88,10 +88,6 @@ def make_workers(num_workers: int, thread_pool: bool, maker_args: dict, retries:
         return ThreadWorkers(num_workers, BatchMaker(**maker_args))
     return ProcessWorkers(num_workers, BatchMaker(**maker_args, in_worker=True),
                           retries=retries, active=active)
-
-
-def _what(desc: str) -> str:
-    return desc or "a batch"
 
 
 class InlineWorkers:
@@ -167,12 +163,9 @@ class ThreadWorkers(InlineWorkers):
         while not cf.wait([future], timeout=min(WAIT_SLICE_S, max(0.0, deadline -
                                                                  time.monotonic()))).done:
             if self._closed.is_set():
-                raise LoaderClosed(f"the loader was closed while waiting for {_what(what)}")
+                raise closed_while(what)
             if time.monotonic() >= deadline:
-                raise BatchTimeout(
-                    f"{_what(what)} took longer than timeout={timeout:g} s in a worker thread: "
-                    "sample_transform or batchify_fn is too slow (or stuck); speed it up or "
-                    "raise timeout=")
+                raise too_slow(what, timeout, "thread")
         return future.result()
 
     def done(self, tid: int) -> bool:
@@ -242,7 +235,6 @@ class ProcessWorkers:
         self.active = num_workers if active is None else max(1, min(active, num_workers))
         self.depth = PER_WORKER * self.active
         self.maker = maker
-        self.retries = retries
         self.forks = 0
         self._context = multiprocessing.get_context("fork")
         self._workers: list[_Worker] = []
@@ -250,7 +242,7 @@ class ProcessWorkers:
         self._tasks: dict[int, _Task] = {}
         self._queue: collections.deque[int] = collections.deque()
         self._results: dict[int, Any] = {}
-        self._deaths: collections.Counter = collections.Counter()  # per shard key, this epoch
+        self._budget = DeathBudget(retries)  # worker deaths per shard, this epoch
         self._failure: WorkerDied | None = None  # a death past its budget: the next result()
         self._closed = threading.Event()
         self._lock = threading.Lock()  # close() may come from another thread
@@ -345,13 +337,12 @@ class ProcessWorkers:
         wait = 0.0  # first take in what arrived and notice deaths, without waiting
         while True:
             if self._closed.is_set():
-                raise LoaderClosed(f"the loader was closed while waiting for {_what(what)}")
+                raise closed_while(what)
             try:
                 self._poll(wait)
             except (OSError, ValueError):
                 if self._closed.is_set():
-                    raise LoaderClosed(f"the loader was closed while waiting for "
-                                       f"{_what(what)}") from None
+                    raise closed_while(what) from None
                 raise
             if self._failure is not None:
                 error, self._failure = self._failure, None
@@ -375,9 +366,14 @@ class ProcessWorkers:
             self._poll(0)
         return tid in self._results or self._failure is not None
 
+    @property
+    def retries(self) -> int:
+        """Worker deaths allowed per shard per epoch."""
+        return self._budget.retries
+
     def new_epoch(self) -> None:
         """An epoch's batches begin: each shard may again lose ``retries`` workers."""
-        self._deaths.clear()
+        self._budget.new_epoch()
 
     def set_active(self, active: int) -> None:
         """Give batches to ``active`` of the workers from now on (1 .. ``num_workers``); a
@@ -464,12 +460,12 @@ class ProcessWorkers:
                 self._results[tid] = self._slots.load(worker.serial, slot, message[2])
             except Exception as exc:  # e.g. a class the loader's process cannot import
                 add_note(exc, f"gluon_stream: the batch worker process {worker.pid} made "
-                              f"({_what(task.what)}) could not be read here")
+                              f"({what_of(task.what)}) could not be read here")
                 self._results[tid] = _Failure(exc)
             return True
         error = unpickle_error(message[2])
         add_note(error, f"gluon_stream: raised in worker process {worker.pid} while making "
-                        f"{_what(task.what)}")
+                        f"{what_of(task.what)}")
         self._results[tid] = _Failure(error)
         return True
 
@@ -487,44 +483,24 @@ class ProcessWorkers:
         tasks = [self._tasks[t] for t in lost] or \
             ([worker.last] if worker.last is not None else [])
         keys = list(dict.fromkeys(t.key for t in tasks)) or [None]
-        how = _death(worker.pid, code, tasks[0] if lost else None, worker.last)
-        if all(self._deaths[k] < self.retries for k in keys):
-            for k in keys:
-                self._deaths[k] += 1
+        how = death(worker.pid, code, tasks[0] if lost else None, worker.last)
+        count = self._budget.spend(keys)
+        if count is not None:
             logger.warning("%s; %s in a new worker process (retry %d/%d of shard %s this epoch)",
                            how, f"redoing its {len(lost)} batch(es)" if lost else "replacing it",
-                           max(self._deaths[k] for k in keys), self.retries,
-                           ", ".join(repr(k) for k in keys))
+                           count, self.retries, ", ".join(repr(k) for k in keys))
             self._queue.extendleft(reversed(lost))
             return
         for tid in lost:
-            self._results[tid] = _Failure(self._worker_died(worker.pid, code, how, keys[0]))
-        self._failure = self._worker_died(worker.pid, code, how, keys[0])
-
-    def _worker_died(self, pid: int, code: int | None, how: str, key: Any) -> WorkerDied:
-        if self.retries:
-            why = (f"on_error=('retry', {self.retries}) allows {self.retries} worker "
-                   "death(s) per shard per epoch. Likely out of memory (check `dmesg` for the "
-                   "OOM killer) or a crash in sample_transform/batchify_fn: lower num_workers "
-                   "or use thread_pool=True")
-        else:
-            why = ("Likely out of memory (check `dmesg` for the OOM killer) or a crash in "
-                   "sample_transform/batchify_fn: lower num_workers, use thread_pool=True, or "
-                   "pass on_error=('retry', n) to redo the lost batches in a new worker")
-        return WorkerDied(f"{how}; this pass cannot go on (the next one starts with a new "
-                          f"worker). {why}",
-                          pid=pid, signal=-code if code is not None and code < 0 else None,
-                          key=key)
+            self._results[tid] = _Failure(self._budget.error(worker.pid, code, how, keys[0]))
+        self._failure = self._budget.error(worker.pid, code, how, keys[0])
 
     def _stuck(self, tid: int, timeout: float, what: str) -> None:
         """A batch ran past ``timeout``: kill its worker (stuck in user code) and raise."""
         task = self._tasks.get(tid)
         if task is not None and task.worker is not None and task.worker in self._workers:
             self._retire(task.worker, kill=True)
-        raise BatchTimeout(
-            f"{_what(what)} took longer than timeout={timeout:g} s in a worker process: "
-            "sample_transform or batchify_fn is too slow (or stuck); speed it up or raise "
-            "timeout=")
+        raise too_slow(what, timeout, "process")
 
     def _retire(self, worker: _Worker, kill: bool) -> int | None:
         """Take a dead (or, with ``kill``, a stuck) worker out of the pool; its exit code.
@@ -587,27 +563,3 @@ def _readable(conn: mp_connection.Connection) -> bool:
     except (OSError, ValueError) as exc:  # closed meanwhile (by close())
         logger.debug("socket of a dead worker unreadable: %s", exc)
         return False
-
-
-def _death(pid: int, code: int | None, task: _Task | None, last: _Task | None) -> str:
-    """What happened, in words: who died, how, and making what."""
-    if code is not None and code < 0:
-        try:
-            how = f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            how = f"was killed by signal {-code}"
-    else:
-        how = f"exited with code {code}"
-    if task is not None:
-        doing = f"while making {_described(task)}"
-    elif last is not None:
-        doing = f"between batches (its last: {_described(last)})"
-    else:
-        doing = "before its first batch"
-    return f"worker process {pid} {how} {doing}"
-
-
-def _described(task: _Task) -> str:
-    if task.what:  # names its shard already ("batch 3 of 9 of shard 'a'")
-        return task.what
-    return f"a batch of shard {task.key!r}" if task.key is not None else "a batch"
