@@ -133,6 +133,11 @@ NOT_FAST = {
         "test_generate_ahead_keeps_batches_and_resumes_exactly",
         "test_generating_ahead_reaches_the_next_epoch_only",
     ),
+    "test_tuning.py": (
+        "test_the_bench_compares_the_budget_with_a_grid_and_a_tight_budget",
+        "test_tuned_loaders_resumed_anywhere_match_the_reference_model",
+        "test_the_budget_holds_on_shards_of_known_size",
+    ),
     "test_types.py": (
         "test_mypy_finds_nothing_in_the_package",
     ),
