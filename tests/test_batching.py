@@ -192,3 +192,45 @@ def test_the_deal_gives_every_part_a_share_or_equal_counts(sizes, parts, even, k
         count = even_count(True, totals, batch_size)
         assert all(count * batch_size <= t for t in totals)
         assert (count + 1) * batch_size > min(totals)
+
+
+@settings(max_examples=300, deadline=None)
+@given(sizes=st.lists(st.integers(0, 40), max_size=12), parts=st.integers(1, 6),
+       start=st.integers(0, 11))
+def test_strides_that_go_on_from_the_last_shard_balance_the_parts(sizes, parts, start):
+    """The shared dealing rule (stream, counts and elastic merge), issue 24 §4: with the rows
+    dealt before each shard known (``before``), every shard's strides go on where the last
+    one's stopped, so over the whole run, and after every shard, the parts' totals differ by
+    one sample at most; each shard's rows are dealt once; the counts match the rows."""
+    import numpy as np
+
+    from gluon_stream._pipeline.sizes import part_count, part_rows
+
+    totals, before = [0] * parts, start  # ``start``: rows dealt ahead of the first shard
+    for n in sizes:
+        rows = np.arange(n)
+        dealt = [part_rows(rows, parts, p, "strides", before) for p in range(parts)]
+        assert sorted(np.concatenate(dealt).tolist()) == list(range(n))
+        for p in range(parts):
+            assert part_count(n, parts, p, "strides", before) == len(dealt[p])
+            totals[p] += len(dealt[p])
+        before += n
+        assert max(totals) - min(totals) <= 1, (sizes, parts, totals)
+    # row k of the run (counting from ``start``) goes to part k % parts, as one long shard's
+    ahead = [len(range((p - start) % parts, sum(sizes), parts)) for p in range(parts)]
+    assert totals == ahead
+
+
+def test_strides_that_start_at_part_0_leave_the_first_parts_ahead():
+    """Issue 24 §4's example: 9 shards of 23 rows on 3 ranks. Each shard's strides starting
+    at part 0 hold 72/72/63; going on from the last shard's, 69 each; 'samples' cuts every
+    stride to 7 (63 each, 18 rows of the epoch read by no rank)."""
+    from gluon_stream._pipeline.sizes import part_count
+
+    def totals(deal, turn):
+        return [sum(part_count(23, 3, p, deal, 23 * j if turn else None) for j in range(9))
+                for p in range(3)]
+
+    assert totals("strides", False) == [72, 72, 63]
+    assert totals("strides", True) == [69, 69, 69]
+    assert totals("samples", True) == totals("samples", False) == [63, 63, 63]

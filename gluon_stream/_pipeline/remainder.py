@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .sizes import part_count, part_rows
+from .sizes import part_count, part_rows, stride_of
 from .state import keys_digest
 from ..errors import InvalidState
 
@@ -91,25 +91,17 @@ class Remainder:
     def rows(self, index: int, order: np.ndarray, parts: int, part: int, deal: str,
              before: int | None = None) -> np.ndarray:
         """The rows part ``part`` of ``parts`` reads of piece ``index`` (``order``: the
-        shard's own row order; ``before``: see :meth:`turn`)."""
-        return part_rows(self.pieces[index].rows(order), parts,
-                         self.turn(part, parts, deal, before), remainder_deal(deal))
+        shard's own row order; ``before``: the rows left in the pieces before it, where every
+        rank knows them alike; see :func:`~gluon_stream._pipeline.sizes.stride_of`)."""
+        return part_rows(self.pieces[index].rows(order), parts, part, remainder_deal(deal),
+                         before)
 
     def share(self, index: int, full: int, parts: int, part: int, deal: str,
               before: int | None = None) -> int:
-        """How many rows part ``part`` reads of piece ``index`` of a shard of ``full`` rows."""
-        return part_count(self.pieces[index].count(full), parts,
-                          self.turn(part, parts, deal, before), remainder_deal(deal))
-
-    @staticmethod
-    def turn(part: int, parts: int, deal: str, before: int | None) -> int:
-        """Which stride of a piece part ``part`` takes: where every rank knows the rows left in
-        the pieces before it (``before``, from sizes known alike), the strides go on from where
-        the last piece's stopped, so the parts' counts differ by one at most over the whole
-        remainder; otherwise each piece's strides start at part 0."""
-        if before is None or remainder_deal(deal) == "samples":
-            return part
-        return (part - before) % parts
+        """How many rows part ``part`` of ``parts`` reads of piece ``index`` of a shard of
+        ``full`` rows."""
+        return part_count(self.pieces[index].count(full), parts, part, remainder_deal(deal),
+                          before)
 
     def counts(self, fulls: Sequence[int | None]) -> list[int | None]:
         """The rows left in the pieces before each piece, given the shards' sizes (None from
@@ -130,7 +122,7 @@ def resolve(spec: Mapping[str, Any], keys_of: KeysOf) -> Remainder:
             position lies outside them.
     """
     prior = resolve(spec["prior"], keys_of) if spec.get("prior") else None
-    # which stride of each of its pieces a rank read (saved with its state: see Remainder.turn)
+    # which stride of each of its pieces a rank read (saved with its state: see stride_of)
     turns = spec["prior"].get("turns") if prior is not None else None
     epoch, parts, deal = spec["epoch"], spec["parts"], spec["deal"]
     lists: dict[tuple[int, int], list] = {}
@@ -149,7 +141,7 @@ def resolve(spec: Mapping[str, Any], keys_of: KeysOf) -> Remainder:
                                f"which has {len(found)}: the keys changed since it was saved")
         item = found[unit]
         if isinstance(item, Piece):
-            turn = Remainder.turn(rank, parts, deal, turns[unit] if turns else None)
+            turn = stride_of(rank, parts, remainder_deal(deal), turns[unit] if turns else None)
             return (item.epoch, item.key), Take(item, parts, turn, remainder_deal(deal),
                                                 start, stop)
         return (e, item), Take(None, parts, rank, deal, start, stop)

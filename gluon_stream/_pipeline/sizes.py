@@ -9,28 +9,45 @@ import numpy as np
 from .._utils import validate as _validate
 from ..sources import Source
 
-__all__ = ["DeclaredSizes", "ShardSizes", "part_count", "part_rows"]
+__all__ = ["DeclaredSizes", "ShardSizes", "part_count", "part_rows", "stride_of"]
 
 #: ``shard_sizes=``: ``{key: samples}``, ``fn(key) -> samples``, or one int for every shard.
 DeclaredSizes = Union[Mapping[Any, int], Callable[[Any], int], int, None]
 KeysOf = Callable[..., "tuple[Iterator[Any], bool, list | None]"]
 
 
-def part_rows(rows: np.ndarray, parts: int, part: int, deal: str) -> np.ndarray:
+def part_rows(rows: np.ndarray, parts: int, part: int, deal: str,
+              before: int | None = None) -> np.ndarray:
     """The rows of a shard (``rows``, in the shard's order) that part ``part`` of ``parts``
     reads: all of them when shards are dealt whole; its stride with ``'strides'``; the same
-    stride cut to ``len(rows) // parts`` with ``'samples'`` (equal counts on every part)."""
+    stride cut to ``len(rows) // parts`` with ``'samples'`` (equal counts on every part).
+    ``before``: see :func:`stride_of`."""
     if deal == "shards" or parts == 1:
         return rows
-    out = rows[part::parts]
+    out = rows[stride_of(part, parts, deal, before)::parts]
     return out[:len(rows) // parts] if deal == "samples" else out
 
 
-def part_count(full: int, parts: int, part: int, deal: str) -> int:
-    """``len(part_rows(rows, parts, part, deal))`` for ``full`` rows, without the rows."""
+def part_count(full: int, parts: int, part: int, deal: str, before: int | None = None) -> int:
+    """``len(part_rows(rows, parts, part, deal, before))`` for ``full`` rows, without the rows."""
     if deal == "shards" or parts == 1:
         return full
-    return full // parts if deal == "samples" else len(range(part, full, parts))
+    if deal == "samples":
+        return full // parts
+    return len(range(stride_of(part, parts, deal, before), full, parts))
+
+
+def stride_of(part: int, parts: int, deal: str, before: int | None) -> int:
+    """Which stride of a shard part ``part`` of ``parts`` takes (the first row it reads).
+
+    ``before``: the rows dealt to the parts ahead of this shard, where every part knows them
+    alike (None: not known). With ``'strides'`` the strides then go on from where the last
+    shard's stopped (the first row goes to part ``before % parts``), so over any run of shards
+    dealt this way the parts' counts differ by one at most; unknown, each shard's strides start
+    at part 0. ``'samples'`` cuts every stride to the same count: it never turns."""
+    if before is None or deal == "samples":
+        return part
+    return (part - before) % parts
 
 
 class ShardSizes:
