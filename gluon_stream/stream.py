@@ -37,7 +37,7 @@ from ._utils.retry import ErrorPolicy, OnError, is_permanent
 from ._utils.columns import names_of, normalize_arrays
 from .sources import RawShard, Source
 from ._pipeline.sizes import ShardSizes, part_rows
-from ._pipeline.keys import KeyTape, part_keys
+from ._pipeline.keys import KeyTape, part_endless, part_keys
 from ._pipeline.producers import ProducerPool, Throttle
 from ._pipeline.remainder import Remainder
 from ._pipeline.tuning import DEFAULT_PREFETCH, START_PREFETCH, Limits, Tunable, Tuner
@@ -337,8 +337,7 @@ class ShardStream(Closing):
             return self._tapes[(epoch, part)].read(start), False, None
         keys, finite = self.source.keys_for_epoch(epoch)
         if not finite:
-            if self.num_parts > 1:
-                keys = itertools.islice(keys, part, None, self.num_parts)
+            keys = part_endless(keys, self.num_parts, part, self.deal)
             if self.keep_keys:  # a pass may start again at a later epoch's boundary
                 tape = self._tapes[(epoch, part)] = KeyTape(keys)
                 return tape.read(start), False, None

@@ -443,3 +443,28 @@ def test_num_workers_may_change_at_a_resize():
             new.close()
     assert len(set(counts)) == 1, counts
     assert sorted(trained) == sorted(v for k in range(6) for v in (np.arange(11.0) + 100 * k))
+
+
+@pytest.mark.parametrize("even", [True, "pad"])
+def test_endless_keys_with_even_batches_give_every_rank_its_stride_of_every_shard(even):
+    """even_batches without sizes has every rank read every shard and take its stride of the
+    samples: with an endless iterator too (each rank read its own keys' strides, dropping the
+    others' half)."""
+    def shard(key):
+        return np.arange(5, dtype="float32") + 1000 * key
+
+    rows, counts = [], []
+    for rank in range(2):
+        loader = gs.StreamLoader(gs.FunctionSource(lambda epoch: iter(range(5)), shard),
+                                 batch_size=2, num_parts=2, part_index=rank, even_batches=even,
+                                 seed=0)
+        got, count = train(loader, 2, None)
+        loader.close()
+        rows += got
+        counts.append(count)
+    assert len(rows) == len(set(rows)) and counts[0] == counts[1]
+    every = {1000 * k + r for k in range(5) for r in range(5)}
+    if even == "pad":
+        assert set(rows) == every
+    else:  # equal strides: fewer than 2 samples per shard left out
+        assert every - set(rows) == {1000 * k + 4 for k in range(5)}

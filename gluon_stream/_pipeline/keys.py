@@ -6,6 +6,7 @@ Keys are given as a sequence (finite: every epoch has the same keys), an endless
 """
 from __future__ import annotations
 
+import itertools
 import re
 import threading
 from typing import Any, Callable, Iterable, Iterator, Sequence, Union
@@ -15,8 +16,8 @@ import numpy as np
 from .._utils.random import seeded_rng
 from ..errors import StreamError, UnsafeKey
 
-__all__ = ["KeyTape", "Keys", "MAX_KEY_LENGTH", "check_keys", "keys_for_epoch", "part_keys",
-           "validate_key"]
+__all__ = ["KeyTape", "Keys", "MAX_KEY_LENGTH", "check_keys", "keys_for_epoch", "part_endless",
+           "part_keys", "validate_key"]
 
 Keys = Union[Sequence[Any], Iterable[Any], Callable[[int], Iterable[Any]]]
 
@@ -74,6 +75,15 @@ def part_keys(keys: list, seed: int, epoch: int, parts: int, part: int, shuffle:
         order = seeded_rng(seed, epoch, 0x5EED).permutation(len(keys))
         return [keys[i] for i in order]
     return list(keys)
+
+
+def part_endless(keys: Iterable[Any], parts: int, part: int, deal: str) -> Iterator[Any]:
+    """Part ``part`` of ``parts``' keys of an endless iterator: every ``parts``-th key from
+    its ``part``-th when shards are dealt whole; every key when the parts take strides of every
+    shard's samples (``deal='samples'``/``'strides'``)."""
+    if parts > 1 and deal == "shards":
+        return itertools.islice(keys, part, None, parts)
+    return iter(keys)
 
 
 _GONE = object()  # the iterator has no more keys
