@@ -482,10 +482,13 @@ def _sizes_known(source: Source, given: Mapping[str, Any]) -> bool:
     the source knows before anything is produced (local file headers, a cache filled ahead by
     ``gluon-stream generate``), with no transform to change them. (Shards cached by a job
     already running do not count: a rank starting later would see more than one starting
-    earlier, and the two would deal the shards differently.)"""
+    earlier, and the two would deal the shards differently.) An endless iterator's epoch has
+    no known end, whatever the sizes of its shards."""
+    keys, finite = source.keys_for_epoch(0)
+    if not finite:
+        return False
     if given.get("shard_sizes") is not None:
         return True
     if given.get("transform") is not None or source.per_epoch:
         return False
-    keys, finite = source.keys_for_epoch(0)
-    return finite and all(source.known_size(key, 0) is not None for key in keys)
+    return all(source.known_size(key, 0) is not None for key in keys)
