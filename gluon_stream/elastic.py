@@ -9,7 +9,7 @@ decide what each rank reads: no rank needs another's, nothing is communicated.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ._pipeline.batching import Position
 from ._pipeline.remainder import Remainder, resolve
@@ -64,9 +64,6 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict:
                     f"field {name!r}: rank {rank}'s state was saved with {name}="
                     f"{state['settings'].get(name)!r}, rank 0's with {first.get(name)!r}: not "
                     "states of one job")
-        if "keys" not in state and not state["end"]:
-            raise InvalidState(f"rank {rank}'s state names no key list (endless keys): an "
-                               "elastic resume does not support them yet")
         if "elastic" in state:
             raise InvalidState(f"rank {rank}'s state is a merged state: merge the states the "
                                "ranks saved after loading it")
@@ -77,6 +74,15 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict:
     left = any(not r["end"] or r["carry"] for r in ranks)
     spec = {"epoch": epoch, "parts": len(by_rank), "deal": first.get("deal", "shards"),
             "prior": prior, "ranks": ranks} if left else None
+    if spec is not None and any("keys" not in s for s in by_rank):  # an endless iterator
+        spec["endless"] = True
+        for rank, state in enumerate(ranks):
+            if any(e < epoch for e, _, _, _ in state["carry"]):
+                raise InvalidState(
+                    f"field 'last_batch': rank {rank}'s state holds samples an endless key "
+                    f"iterator's epoch {epoch - 1} rolled over, and it is in epoch {epoch}: "
+                    "two epochs of an iterator cannot be drawn again on other ranks; resume on "
+                    "the same number of ranks")
     out: dict = {"version": STATE_VERSION, "elastic": spec, "epoch": epoch, "end": not left,
                  "settings": {name: first.get(name) for name in FIXED_SETTINGS}}
     out["digest"] = checksum(out)
@@ -84,11 +90,13 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict:
 
 
 def load_merged(state: Mapping[str, Any], settings: Mapping[str, Any],
-                keys_of: Callable[[int, int, int, str], Sequence[Any]]
+                keys_of: Callable[[int, int, int, str], Sequence[Any]],
+                endless_of: Callable[[int], Iterator[Any]] | None = None
                 ) -> tuple[LoaderState, Remainder | None]:
     """Where a loader with ``settings`` starts from a merged state, and the remainder it reads
     in place of the interrupted epoch's keys (``keys_of(epoch, parts, part, deal)``: the shard
-    order a rank of the old job read)."""
+    order a rank of the old job read; ``endless_of(epoch)``: an endless iterator's keys, drawn
+    anew from its beginning)."""
     verify(state, ("version", "digest", "elastic", "epoch", "end", "settings"))
     saved = state["settings"]
     for name in FIXED_SETTINGS:
@@ -100,7 +108,7 @@ def load_merged(state: Mapping[str, Any], settings: Mapping[str, Any],
     epoch = state["epoch"]
     if state["elastic"] is None:  # every rank ended the epoch: the next starts afresh
         return LoaderState(Position(epoch, end=True)), None
-    remainder = resolve(state["elastic"], keys_of)
+    remainder = resolve(state["elastic"], keys_of, endless_of)
     return LoaderState(Position(epoch)), remainder
 
 
@@ -115,12 +123,12 @@ def load_any(state: Any, settings: Mapping[str, Any], stream: ShardStream,
     before = stream.remainder
     try:
         if isinstance(state, Mapping) and "elastic" in state:
-            start, remainder = load_merged(state, settings, dealt)
+            start, remainder = load_merged(state, settings, dealt, stream.endless_keys)
             stream.set_remainder(remainder)
             return start
         if isinstance(state, Mapping) and "remainder" in state:
             verify(state)
-            stream.set_remainder(resolve(state["remainder"], dealt))
+            stream.set_remainder(resolve(state["remainder"], dealt, stream.endless_keys))
         else:
             stream.set_remainder(None)
         return decode()

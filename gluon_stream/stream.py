@@ -318,6 +318,16 @@ class ShardStream(Closing):
         return part_keys(list(keys), self.seed if seed is None else seed, epoch, parts, part,
                          self.shuffle, deal)
 
+    def endless_keys(self, epoch: int) -> Iterator[Any]:
+        """An endless iterator's keys of ``epoch``, every part's (an elastic resume deals
+        them again); InvalidState for a key list."""
+        keys, finite = self.source.keys_for_epoch(epoch)
+        if finite:
+            raise InvalidState("field 'keys': the state was saved reading an endless key "
+                               "iterator, this loader's keys are a list; build it with the "
+                               "same keys")
+        return iter(keys)
+
     def _drop_runs(self) -> None:
         self._next_run = None
         for run in list(self._res.runs):  # shards made ahead in another order
@@ -332,7 +342,12 @@ class ShardStream(Closing):
         remainder = self.remainder_of(epoch)
         if remainder is not None:  # every part reads every piece (its stride of their rows)
             pieces = remainder.keys
-            return iter(pieces[start:]), True, pieces
+            if remainder.tail is None:
+                return iter(pieces[start:]), True, pieces
+            # endless keys: then the iterator's keys after the pieces, as this job deals them
+            tail = remainder.tail_keys(self.num_parts, part, self.deal)
+            tail = itertools.islice(tail, max(0, start - len(pieces)), None)
+            return itertools.chain(pieces[start:], tail), False, None
         if self.keep_keys and (epoch, part) in self._tapes:
             return self._tapes[(epoch, part)].read(start), False, None
         keys, finite = self.source.keys_for_epoch(epoch)
@@ -375,14 +390,15 @@ class ShardStream(Closing):
         """The epoch whose shard is at position ``index`` of ``epoch`` (a remainder's pieces
         may be of the epoch before: samples it rolled over)."""
         remainder = self.remainder_of(epoch)
-        return remainder.pieces[index].epoch if remainder is not None and index >= 0 else epoch
+        return remainder.pieces[index].epoch if remainder is not None \
+            and remainder.is_piece(index) else epoch
 
     def row_order(self, key: Any, epoch: int, length: int, index: int = -1
                   ) -> np.ndarray | None:
         """The rows of a shard this part reads, in order (None: all of them, as they are);
         ``index``: its position in the epoch (a remainder's piece says which rows are left)."""
         remainder = self.remainder_of(epoch)
-        if remainder is not None and index >= 0:
+        if remainder is not None and remainder.is_piece(index):  # else: an endless tail's key
             made = remainder.pieces[index].epoch
             own = self.shard_order(key, made, length)
             return remainder.rows(index, np.arange(length) if own is None else own,

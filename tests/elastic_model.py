@@ -7,7 +7,9 @@ value (``1000 * key + row``). The oracle says which samples may be missing (neve
 twice): none with ``'pad'`` or ``last_batch='keep'``; a short batch per rank with
 ``'discard'``/``'rollover'`` (rolled into the next epoch) or ``even_batches=True``; with
 ``even_batches=True`` and sizes unknown, also the fewer-than-``num_parts`` rows a rank's equal
-stride leaves out of each shard (or piece of one).
+stride leaves out of each shard (or piece of one). With ``endless`` keys (an iterator per
+epoch) the same holds: the merge deals the iterator's keys as the old ranks drew them, and the
+new ranks read the pieces left, then the iterator's keys after them.
 """
 from __future__ import annotations
 
@@ -30,6 +32,12 @@ class Config:
     parts: tuple[int, int, int]  # ranks of the three stages
     batch_sizes: tuple[int, int, int]
     stops: tuple[int, int]  # batches the first two stages train before they stop
+    endless: bool = False  # the keys are an iterator per epoch (``keys(epoch)``), not a list
+
+    def keys(self) -> Any:
+        if self.endless:
+            return lambda epoch: iter(range(len(self.sizes)))
+        return range(len(self.sizes))
 
     def shard(self, key: int) -> np.ndarray:
         return np.arange(self.sizes[key], dtype="float32") + SPAN * key
@@ -44,6 +52,7 @@ def missing_allowed(cfg: Config) -> int:
     if cfg.even == "pad" or (cfg.last_batch == "keep" and cfg.even is not True):
         return 0
     allowed = last_ranks * last_bs  # a short batch per rank (one more row: equal deals)
-    if cfg.even is True and not cfg.sizes_known:  # equal strides cut from every shard
+    if cfg.even is True and (not cfg.sizes_known or cfg.endless):  # equal strides cut from
+        # every shard (an endless iterator's sizes are never all known ahead)
         allowed += sum(cfg.parts) * len(cfg.sizes)
     return allowed

@@ -8,6 +8,7 @@ against :mod:`elastic_model`. ``GS_MODEL_EXAMPLES=400`` runs a deeper search.
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import os
 import statistics
@@ -29,7 +30,7 @@ EXAMPLES = int(os.environ.get("GS_MODEL_EXAMPLES", "30"))
 
 def make_loader(cfg: model.Config, parts: int, rank: int, batch_size: int) -> gs.StreamLoader:
     sizes = {k: n for k, n in enumerate(cfg.sizes)} if cfg.sizes_known else None
-    return gs.StreamLoader(gs.FunctionSource(range(len(cfg.sizes)), cfg.shard),
+    return gs.StreamLoader(gs.FunctionSource(cfg.keys(), cfg.shard),
                            batch_size=batch_size, shuffle=cfg.shuffle, seed=cfg.seed,
                            num_parts=parts, part_index=rank, even_batches=cfg.even,
                            last_batch=cfg.last_batch, shard_sizes=sizes, prefetch=1)
@@ -130,7 +131,7 @@ def configs(draw):
         last_batch=last_batch, sizes_known=draw(st.booleans()),
         parts=tuple(draw(st.integers(1, 4)) for _ in range(3)),
         batch_sizes=tuple(draw(st.integers(1, 5)) for _ in range(3)),
-        stops=(draw(st.integers(0, 6)), draw(st.integers(0, 6))))
+        stops=(draw(st.integers(0, 6)), draw(st.integers(0, 6))), endless=draw(st.booleans()))
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize="GS_MODEL_EXAMPLES" not in os.environ,
@@ -446,10 +447,12 @@ def test_num_workers_may_change_at_a_resize():
 
 
 @pytest.mark.parametrize("even", [True, "pad"])
-def test_endless_keys_with_even_batches_give_every_rank_its_stride_of_every_shard(even):
+@pytest.mark.parametrize("sizes", [None, 5])
+def test_endless_keys_with_even_batches_give_every_rank_its_stride_of_every_shard(even, sizes):
     """even_batches without sizes has every rank read every shard and take its stride of the
     samples: with an endless iterator too (each rank read its own keys' strides, dropping the
-    others' half)."""
+    others' half), and with shard_sizes given (an endless epoch's end is unknown all the same:
+    True raised SizeUnknown, 'pad' gave the ranks unequal counts)."""
     def shard(key):
         return np.arange(5, dtype="float32") + 1000 * key
 
@@ -457,7 +460,7 @@ def test_endless_keys_with_even_batches_give_every_rank_its_stride_of_every_shar
     for rank in range(2):
         loader = gs.StreamLoader(gs.FunctionSource(lambda epoch: iter(range(5)), shard),
                                  batch_size=2, num_parts=2, part_index=rank, even_batches=even,
-                                 seed=0)
+                                 seed=0, shard_sizes=sizes)
         got, count = train(loader, 2, None)
         loader.close()
         rows += got
@@ -468,3 +471,38 @@ def test_endless_keys_with_even_batches_give_every_rank_its_stride_of_every_shar
         assert set(rows) == every
     else:  # equal strides: fewer than 2 samples per shard left out
         assert every - set(rows) == {1000 * k + 4 for k in range(5)}
+
+
+def test_a_truly_endless_iterator_resized_up_then_down_trains_each_sample_once():
+    """Keys that never end (a new generator per loader, as a new process builds it): 2 ranks
+    train, 3 ranks load the merge and train, are stopped in the iterator's tail and 2 ranks
+    load the merge of those. Nothing is trained twice, and every shard up to the last one
+    each final rank reached is trained whole."""
+    def shard(key):
+        return np.arange(6, dtype="float32") + 1000 * key
+
+    def loader(parts, rank, batch_size):
+        return gs.StreamLoader(gs.FunctionSource((k for k in itertools.count()), shard),
+                               batch_size=batch_size, shuffle=True, seed=3, num_parts=parts,
+                               part_index=rank, prefetch=1)
+
+    trained, state, last = [], None, []
+    for parts, batch_size, stop in ((2, 4, 3), (3, 5, 7), (2, 3, 12)):
+        states, last = [], []
+        for rank in range(parts):
+            resumed = loader(parts, rank, batch_size)
+            if state is not None:
+                resumed.load_state_dict(json.loads(json.dumps(state)))
+            rows, _ = train(resumed, batch_size, stop)
+            trained += rows
+            last.append(max(int(v) // 1000 for v in rows))
+            states.append(resumed.state_dict())
+            resumed.close()
+        assert all("keys" not in s for s in states)  # an endless iterator: no key list
+        state = gs.merge_states(states)
+        assert state["elastic"]["endless"]
+    counts = collections.Counter(trained)
+    assert max(counts.values()) == 1, {v: c for v, c in counts.items() if c > 1}
+    whole = {1000 * k + r for k in range(min(last)) for r in range(6)}
+    assert whole <= set(counts), sorted(whole - set(counts))[:10]
+    assert min(last) > 10

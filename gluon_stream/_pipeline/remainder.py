@@ -16,18 +16,47 @@ then an earlier remainder's piece (``parent``), resolved the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
+from .keys import part_endless
 from .sizes import part_count, part_rows, stride_of
 from .state import keys_digest
 from ..errors import InvalidState
 
-__all__ = ["Piece", "Remainder", "Take", "remainder_deal", "resolve"]
+__all__ = ["Drawn", "Piece", "Remainder", "Take", "remainder_deal", "resolve"]
 
 #: ``keys_of(epoch, parts, part, deal)``: a part's shard order in an epoch (the loader's deal).
 KeysOf = Callable[[int, int, int, str], Sequence[Any]]
+
+
+class Drawn:
+    """An endless iterator's keys of one epoch, drawn in order as far as a merge needs them
+    (every rank of the old job drew the same iterator and took its part); the keys after them
+    are the remainder's tail, read from the same iterator."""
+
+    def __init__(self, epoch: int, keys: Iterator[Any]) -> None:
+        self.epoch = epoch
+        self.keys: list = []
+        self.rest = keys
+
+    def upto_end(self) -> int:
+        """Draw every key (the iterator ended in the saved job); how many there are."""
+        self.keys.extend(self.rest)
+        return len(self.keys)
+
+    def upto(self, count: int) -> list:
+        """The first ``count`` keys (fewer: the iterator ended)."""
+        while len(self.keys) < count:
+            key = next(self.rest, _GONE)
+            if key is _GONE:
+                break
+            self.keys.append(key)
+        return self.keys[:count]
+
+
+_GONE = object()
 
 
 def remainder_deal(deal: str) -> str:
@@ -83,10 +112,22 @@ class Remainder:
     epoch: int
     pieces: tuple[Piece, ...]
     spec: Mapping[str, Any]
+    #: endless keys: the iterator's keys after those the pieces came from (from position
+    #: ``tail_start``), read after the pieces as a fresh job of the new size deals them
+    tail: Optional[Drawn] = None
+    tail_start: int = 0
 
     @property
     def keys(self) -> list:
         return [p.key for p in self.pieces]
+
+    def is_piece(self, index: int) -> bool:
+        """Whether position ``index`` of the remainder's pass is a piece (not a tail key)."""
+        return 0 <= index < len(self.pieces)
+
+    def tail_keys(self, parts: int, part: int, deal: str) -> Iterator[Any]:
+        """Part ``part`` of ``parts``' keys of the tail (none without one)."""
+        return part_endless(self.tail.rest, parts, part, deal) if self.tail else iter(())
 
     def rows(self, index: int, order: np.ndarray, parts: int, part: int, deal: str,
              before: int | None = None) -> np.ndarray:
@@ -114,23 +155,50 @@ class Remainder:
         return out
 
 
-def resolve(spec: Mapping[str, Any], keys_of: KeysOf) -> Remainder:
-    """The remainder a merged state's ``spec`` describes, its shards named by ``keys_of``.
+def resolve(spec: Mapping[str, Any], keys_of: KeysOf,
+            endless_of: Callable[[int], Iterator[Any]] | None = None,
+            drawn: Drawn | None = None) -> Remainder:
+    """The remainder a merged state's ``spec`` describes, its shards named by ``keys_of``
+    (endless keys: by ``endless_of(epoch)``, the iterator drawn anew from its beginning).
 
     Raises:
         InvalidState: an old rank's keys are not those its state was saved with, or a
             position lies outside them.
     """
-    prior = resolve(spec["prior"], keys_of) if spec.get("prior") else None
+    epoch, parts, deal = spec["epoch"], spec["parts"], spec["deal"]
+    endless = bool(spec.get("endless"))
+    if endless and (drawn is None or drawn.epoch != epoch):
+        if endless_of is None:
+            raise InvalidState("the state was saved reading endless keys: this loader's keys "
+                               "are a list (field 'keys'); build it with the same keys")
+        drawn = Drawn(epoch, endless_of(epoch))
+    prior = resolve(spec["prior"], keys_of, endless_of, drawn) if spec.get("prior") else None
     # which stride of each of its pieces a rank read (saved with its state: see stride_of)
     turns = spec["prior"].get("turns") if prior is not None else None
-    epoch, parts, deal = spec["epoch"], spec["parts"], spec["deal"]
     lists: dict[tuple[int, int], list] = {}
+    tail_start = 0
+    if endless:  # each old rank's keys as far as any rank got, then the tail
+        assert drawn is not None
+        same = prior if prior is not None and prior.epoch == epoch else None
+        base = list(same.pieces) if same is not None else []
+        start = same.tail_start if same is not None else 0
+        need = max([u - len(base) + 1 for saved in spec["ranks"]
+                    for u in _units_named(saved, epoch)] + [0])
+        tail_start = start + (need * parts if deal == "shards" and parts > 1 else need)
+        if any(saved["end"] for saved in spec["ranks"]):  # a rank saw the iterator end: the
+            tail_start = drawn.upto_end()  # other ranks' keys are all drawn, none after them
+        drawn_keys = drawn.upto(tail_start)[start:]
+        for rank in range(parts):
+            lists[(epoch, rank)] = base + list(part_endless(drawn_keys, parts, rank, deal))
 
     def units(e: int, rank: int) -> list:
-        if prior is not None and e == prior.epoch:
+        if prior is not None and e == prior.epoch and not endless:
             return list(prior.pieces)
         if (e, rank) not in lists:
+            if endless:
+                raise InvalidState(f"the state of rank {rank} holds samples of epoch {e} of an "
+                                   f"endless key iterator while the others are in epoch {epoch}"
+                                   ": an endless iterator's earlier epoch cannot be drawn again")
             lists[(e, rank)] = list(keys_of(e, parts, rank, deal))
         return lists[(e, rank)]
 
@@ -166,7 +234,13 @@ def resolve(spec: Mapping[str, Any], keys_of: KeysOf) -> Remainder:
             if i < len(takes):
                 grouped.setdefault(takes[i][0], []).append(takes[i][1])
     pieces = tuple(Piece(e, key, tuple(t)) for (e, key), t in grouped.items())
-    return Remainder(epoch, pieces, spec)
+    return Remainder(epoch, pieces, spec, drawn if endless else None, tail_start)
+
+
+def _units_named(saved: Mapping[str, Any], epoch: int) -> list:
+    """The positions of ``epoch`` a rank's saved position refers to."""
+    return [u for e, u, _, _ in saved["carry"] if e == epoch] + \
+        ([] if saved["end"] else [saved["unit"]])
 
 
 def _check_rank_keys(saved: Mapping[str, Any], keys: list, epoch: int, rank: int) -> None:

@@ -94,7 +94,7 @@ class ShardSizes:
         """Samples a part takes of the shard at position ``index`` of ``epoch`` holding ``full``
         (a remainder's piece: its share of the rows left)."""
         remainder = self._remainder_of(epoch)
-        if remainder is None:
+        if remainder is None or not remainder.is_piece(index):  # or an endless tail's key
             return self.part_share(full, part)
         return remainder.share(index, full, self.num_parts,
                                self.part_index if part is None else part, self.deal,
@@ -103,7 +103,8 @@ class ShardSizes:
     def largest_share(self, epoch: int, index: int, full: int) -> int:
         """The most samples any part takes of the shard at position ``index`` of ``epoch``
         holding ``full`` (part 0's, but for a remainder's pieces, whose strides turn)."""
-        if self._remainder_of(epoch) is None:
+        remainder = self._remainder_of(epoch)
+        if remainder is None or not remainder.is_piece(index):
             return self.part_share(full, 0)
         return max(self.unit_share(epoch, index, full, p) for p in range(self.num_parts))
 
@@ -112,7 +113,7 @@ class ShardSizes:
         where every rank knows them alike (declared sizes, or the source's, without a
         transform); None otherwise."""
         remainder = self._remainder_of(epoch)
-        if remainder is None:
+        if remainder is None or not remainder.is_piece(index):
             return None
         if self._before[0] is not remainder:
             fulls = [self.agreed_size(p.key, p.epoch) for p in remainder.pieces]
@@ -168,7 +169,7 @@ class ShardSizes:
         remainder = self._remainder_of(epoch)
         if remainder is not None:
             fulls = [self.full_size(p.key, p.epoch) for p in remainder.pieces]
-            if any(n is None for n in fulls):
+            if remainder.tail is not None or any(n is None for n in fulls):
                 return None
             return sum(self.unit_share(epoch, i, n, part_index) for i, n in enumerate(fulls)
                        if n is not None)
