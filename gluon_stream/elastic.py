@@ -23,8 +23,19 @@ __all__ = ["FIXED_SETTINGS", "load_any", "load_merged", "merge_states", "remaind
 #: change; the deal of the shards follows the world size).
 FIXED_SETTINGS = ("seed", "shuffle", "last_batch", "shuffle_window", "even_batches",
                   "samples_per_epoch")
-_UNSUPPORTED = {"shuffle_window": lambda v: v != 1,
-                "samples_per_epoch": lambda v: v is not None}
+#: Settings an elastic resume refuses (with why): (is it set?, the reason).
+_UNSUPPORTED = {
+    "shuffle_window": (lambda v: v != 1,
+                       "a rank stopped inside a window unit has trained part of the samples of "
+                       "up to shuffle_window shards, mixed in an order that depends on all of "
+                       "their sizes, so what is left of each shard cannot be cut from that "
+                       "shard alone"),
+    "samples_per_epoch": (lambda v: v is not None,
+                          "each rank's epoch ends after samples_per_epoch samples of its own "
+                          "stream, so what is left of an old rank's epoch, and where a fresh "
+                          "job of the new size would start its next epoch, are known only once "
+                          "the shards up to there are read"),
+}
 
 
 def merge_states(states: Sequence[Mapping[str, Any]]) -> dict:
@@ -40,8 +51,8 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict:
     Raises:
         InvalidState: a state is not a rank's state or was edited; a rank's state is missing
             or given twice; the states were saved at different steps or with other settings
-            (the field is named); or the loader reads ``samples_per_epoch`` epochs, mixes a
-            ``shuffle_window`` or endless keys, which an elastic resume does not support yet.
+            (the field is named); the loader reads ``samples_per_epoch`` epochs or mixes a
+            ``shuffle_window``, which an elastic resume does not support yet.
 
     Example:
         >>> merged = merge_states([state_0, state_1])  # doctest: +SKIP
@@ -53,10 +64,11 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict:
     by_rank = _by_rank([verify(s, ("version", "digest", "settings", "epoch", "end", "unit",
                                    "offset", "batches", "carry")) for s in states])
     first = by_rank[0]["settings"]
-    for name, unsupported in _UNSUPPORTED.items():
+    for name, (unsupported, why) in _UNSUPPORTED.items():
         if unsupported(first.get(name)):
             raise InvalidState(f"field {name!r} is {first.get(name)!r}: an elastic resume does "
-                               "not support it yet; resume on the same number of ranks")
+                               f"not support it yet ({why}); resume on the same number of "
+                               "ranks")
     for rank, state in enumerate(by_rank):
         for name in FIXED_SETTINGS:
             if state["settings"].get(name) != first.get(name):
@@ -76,13 +88,6 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict:
             "prior": prior, "ranks": ranks} if left else None
     if spec is not None and any("keys" not in s for s in by_rank):  # an endless iterator
         spec["endless"] = True
-        for rank, state in enumerate(ranks):
-            if any(e < epoch for e, _, _, _ in state["carry"]):
-                raise InvalidState(
-                    f"field 'last_batch': rank {rank}'s state holds samples an endless key "
-                    f"iterator's epoch {epoch - 1} rolled over, and it is in epoch {epoch}: "
-                    "two epochs of an iterator cannot be drawn again on other ranks; resume on "
-                    "the same number of ranks")
     out: dict = {"version": STATE_VERSION, "elastic": spec, "epoch": epoch, "end": not left,
                  "settings": {name: first.get(name) for name in FIXED_SETTINGS}}
     out["digest"] = checksum(out)

@@ -196,9 +196,10 @@ def resolve(spec: Mapping[str, Any], keys_of: KeysOf,
             return list(prior.pieces)
         if (e, rank) not in lists:
             if endless:
-                raise InvalidState(f"the state of rank {rank} holds samples of epoch {e} of an "
-                                   f"endless key iterator while the others are in epoch {epoch}"
-                                   ": an endless iterator's earlier epoch cannot be drawn again")
+                raise InvalidState(f"field 'last_batch': the state of rank {rank} holds "
+                                   f"samples epoch {e} of an endless key iterator rolled over "
+                                   f"into epoch {epoch}: two epochs of an iterator are not "
+                                   "drawn again; resume on the same number of ranks")
             lists[(e, rank)] = list(keys_of(e, parts, rank, deal))
         return lists[(e, rank)]
 
