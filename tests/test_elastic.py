@@ -1,9 +1,10 @@
 """Elastic resume: states saved on N ranks, merged, continued exactly on M ranks.
 
 The hypothesis test draws a job (shard sizes, shuffle, even_batches, last_batch, sizes known or
-not), resizes it twice at drawn steps (the second time while the ranks read the first merge's
-remainder), changes the batch size each time, and checks the samples every rank trained
-against :mod:`elastic_model`. ``GS_MODEL_EXAMPLES=400`` runs a deeper search.
+not, a key list or an endless iterator), resizes it twice at drawn steps (the second time
+while the ranks read the first merge's remainder), changes the batch size each time, and
+checks the samples every rank trained against :mod:`elastic_model`. ``GS_MODEL_EXAMPLES=400``
+runs a deeper search.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, example, given, reject, settings
+from hypothesis import HealthCheck, event, example, given, reject, settings
 from hypothesis import strategies as st
 
 import gluon_stream as gs
@@ -145,7 +146,12 @@ def configs(draw):
                           (3, 2)))
 @example(cfg=model.Config((5, 0, 11, 8), True, 2, False, "rollover", False, (3, 2, 1),
                           (4, 3, 5), (1, 1)))
+@example(cfg=model.Config((10, 13, 16, 7, 9), True, 1, True, "discard", True, (4, 1, 3),
+                          (2, 3, 4), (1, 2), endless=True))
+@example(cfg=model.Config((10, 13, 16), False, 0, "pad", "keep", False, (1, 4, 2), (3, 2, 5),
+                          (3, 2), endless=True))
 def test_resized_twice_every_sample_once(cfg):
+    event("endless keys" if cfg.endless else "a key list")  # --hypothesis-show-statistics
     check(cfg)
 
 
