@@ -512,3 +512,41 @@ def test_a_truly_endless_iterator_resized_up_then_down_trains_each_sample_once()
     whole = {1000 * k + r for k in range(min(last)) for r in range(6)}
     assert whole <= set(counts), sorted(whole - set(counts))[:10]
     assert min(last) > 10
+
+
+def test_a_rank_stopped_in_an_endless_tail_resumes_its_own_state_exactly():
+    """A state saved while reading an endless iterator's tail after a resize, loaded by a new
+    loader of the same rank (no merge), goes on with exactly the batches the rank would have
+    trained next."""
+    def shard(key):
+        return np.arange(5, dtype="float32") + 1000 * key
+
+    def loader(parts, rank):
+        return gs.StreamLoader(gs.FunctionSource((k for k in itertools.count()), shard),
+                               batch_size=3, shuffle=True, seed=1, num_parts=parts,
+                               part_index=rank, prefetch=1)
+
+    states = []
+    for rank in range(2):
+        old = loader(2, rank)
+        train(old, 3, 2)
+        states.append(old.state_dict())
+        old.close()
+    merged = gs.merge_states(states)
+    for rank in range(3):
+        whole = loader(3, rank)
+        whole.load_state_dict(merged)
+        expected, _ = train(whole, 3, 12)
+        whole.close()
+        first = loader(3, rank)
+        first.load_state_dict(merged)
+        head, _ = train(first, 3, 5)
+        state = first.state_dict()
+        first.close()
+        # past the pieces (the rest of the shard each old rank was in: one per old rank)
+        assert state["unit"] > len(merged["elastic"]["ranks"])
+        again = loader(3, rank)
+        again.load_state_dict(json.loads(json.dumps(state)))
+        rest, _ = train(again, 3, 7)
+        again.close()
+        assert head + rest == expected
