@@ -313,8 +313,9 @@ class ShardStream(Closing):
         it (with this stream's keys and shuffle; ``seed``: another seed than the stream's)."""
         keys, finite = self.source.keys_for_epoch(epoch)
         if not finite:
-            raise InvalidState("an elastic resume needs the keys as a list (or keys(epoch) "
-                               "returning one): an endless iterator cannot be dealt again")
+            raise InvalidState("field 'keys': the state was saved reading a key list, this "
+                               "loader's keys are an endless iterator (the two deal their "
+                               "shards differently); build it with the same keys")
         return part_keys(list(keys), self.seed if seed is None else seed, epoch, parts, part,
                          self.shuffle, deal)
 

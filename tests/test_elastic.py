@@ -550,3 +550,30 @@ def test_a_rank_stopped_in_an_endless_tail_resumes_its_own_state_exactly():
         rest, _ = train(again, 3, 7)
         again.close()
         assert head + rest == expected
+
+
+@pytest.mark.parametrize("saved_endless", [True, False])
+def test_a_merge_of_endless_keys_and_a_key_list_do_not_mix(saved_endless):
+    """A merge of an endless iterator's states loaded by a loader of a key list (or the other
+    way round) is refused naming the keys: the two deal their shards differently."""
+    def shard(key):
+        return np.arange(5, dtype="float32") + 1000 * key
+
+    def keys(endless):
+        return (k for k in range(6)) if endless else list(range(6))
+
+    states = []
+    for rank in range(2):
+        old = gs.StreamLoader(gs.FunctionSource(keys(saved_endless), shard), batch_size=2,
+                              num_parts=2, part_index=rank, seed=0)
+        train(old, 2, 2)
+        states.append(old.state_dict())
+        old.close()
+    merged = gs.merge_states(states)
+    new = gs.StreamLoader(gs.FunctionSource(keys(not saved_endless), shard), batch_size=2,
+                          num_parts=3, part_index=0, seed=0)
+    try:
+        with pytest.raises(gs.InvalidState, match="field 'keys'.*(endless|key list)"):
+            new.load_state_dict(merged)
+    finally:
+        new.close()
