@@ -479,18 +479,20 @@ def test_endless_keys_with_even_batches_give_every_rank_its_stride_of_every_shar
         assert every - set(rows) == {1000 * k + 4 for k in range(5)}
 
 
-def test_a_truly_endless_iterator_resized_up_then_down_trains_each_sample_once():
+@pytest.mark.parametrize("even", [False, "pad"])
+def test_a_truly_endless_iterator_resized_up_then_down_trains_each_sample_once(even):
     """Keys that never end (a new generator per loader, as a new process builds it): 2 ranks
     train, 3 ranks load the merge and train, are stopped in the iterator's tail and 2 ranks
-    load the merge of those. Nothing is trained twice, and every shard up to the last one
-    each final rank reached is trained whole."""
+    load the merge of those. Nothing is trained twice and every shard up to the last one each
+    final rank reached is trained whole; with even_batches='pad' too, where every rank of
+    each stage reads every shard and takes its stride of it."""
     def shard(key):
         return np.arange(6, dtype="float32") + 1000 * key
 
     def loader(parts, rank, batch_size):
         return gs.StreamLoader(gs.FunctionSource((k for k in itertools.count()), shard),
                                batch_size=batch_size, shuffle=True, seed=3, num_parts=parts,
-                               part_index=rank, prefetch=1)
+                               part_index=rank, prefetch=1, even_batches=even)
 
     trained, state, last = [], None, []
     for parts, batch_size, stop in ((2, 4, 3), (3, 5, 7), (2, 3, 12)):
@@ -499,7 +501,8 @@ def test_a_truly_endless_iterator_resized_up_then_down_trains_each_sample_once()
             resumed = loader(parts, rank, batch_size)
             if state is not None:
                 resumed.load_state_dict(json.loads(json.dumps(state)))
-            rows, _ = train(resumed, batch_size, stop)
+            rows, count = train(resumed, batch_size, stop)
+            assert count == stop  # an endless epoch: every rank trains as far as it is let
             trained += rows
             last.append(max(int(v) // 1000 for v in rows))
             states.append(resumed.state_dict())
