@@ -6,10 +6,11 @@ the merge of those and train the rest. Every sample of epoch 0 is a shard's row,
 value (``1000 * key + row``). The oracle says which samples may be missing (never one trained
 twice): none with ``'pad'`` or ``last_batch='keep'``; a short batch per rank with
 ``'discard'``/``'rollover'`` (rolled into the next epoch) or ``even_batches=True``; with
-``even_batches=True`` and sizes unknown, also the fewer-than-``num_parts`` rows a rank's equal
-stride leaves out of each shard (or piece of one). With ``endless`` keys (an iterator per
-epoch) the same holds: the merge deals the iterator's keys as the old ranks drew them, and the
-new ranks read the pieces left, then the iterator's keys after them.
+``even_batches=True`` and sizes unknown (or fewer keys than a stage's ranks, which deals equal
+strides too), also the fewer-than-``num_parts`` rows a rank's equal stride leaves out of each
+shard (or piece of one). With ``endless`` keys (an iterator per epoch) the same holds: the
+merge deals the iterator's keys as the old ranks drew them, and the new ranks read the pieces
+left, then the iterator's keys after them.
 """
 from __future__ import annotations
 
@@ -52,7 +53,9 @@ def missing_allowed(cfg: Config) -> int:
     if cfg.even == "pad" or (cfg.last_batch == "keep" and cfg.even is not True):
         return 0
     allowed = last_ranks * last_bs  # a short batch per rank (one more row: equal deals)
-    if cfg.even is True and (not cfg.sizes_known or cfg.endless):  # equal strides cut from
-        # every shard (an endless iterator's sizes are never all known ahead)
+    if cfg.even is True and (not cfg.sizes_known or cfg.endless
+                             or max(cfg.parts) > len(cfg.sizes)):
+        # equal strides cut from every shard: sizes unknown (an endless iterator's never are
+        # all known ahead), or fewer keys than the ranks of a stage (issue 24's deal)
         allowed += sum(cfg.parts) * len(cfg.sizes)
     return allowed
