@@ -16,6 +16,9 @@ reference; an operation another thread pushes from C meanwhile holds a reference
 still owns, so its deleter cannot run before the fork. MXNet's handler then finds the engine
 stopped (stopping twice is harmless) and its parent handler starts it again, as at every
 fork. Without the symbol (another MXNet build) the hook falls back to ``waitall``.
+Left open: while the hook's call has the GIL released another Python thread may push an
+operation on a zero-copy NDArray and drop its last reference; that deleter can still be due
+inside ``fork()`` (a window of the time MXNet takes to finish its operations).
 """
 from __future__ import annotations
 
