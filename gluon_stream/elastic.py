@@ -58,9 +58,15 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict:
         >>> merged = merge_states([state_0, state_1])  # doctest: +SKIP
         >>> loader.load_state_dict(merged)              # on each of the new ranks # doctest: +SKIP
     """
-    if isinstance(states, Mapping) or not isinstance(states, Sequence) or not states:
-        raise InvalidState("merge_states takes the list of every rank's state, got "
-                           f"{type(states).__name__}")
+    if isinstance(states, (Mapping, str, bytes)) or not isinstance(states, Sequence) \
+            or not states:
+        got = "an empty list" if isinstance(states, Sequence) and not states \
+            else type(states).__name__
+        raise InvalidState(f"merge_states takes the list of every rank's state, got {got}")
+    for index, state in enumerate(states):
+        if isinstance(state, Mapping) and "elastic" in state:
+            raise InvalidState(f"state {index} is a merged state: merge the states the ranks "
+                               "saved after loading it")
     by_rank = _by_rank([verify(s, ("version", "digest", "settings", "epoch", "end", "unit",
                                    "offset", "batches", "carry")) for s in states])
     first = by_rank[0]["settings"]
@@ -76,9 +82,6 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict:
                     f"field {name!r}: rank {rank}'s state was saved with {name}="
                     f"{state['settings'].get(name)!r}, rank 0's with {first.get(name)!r}: not "
                     "states of one job")
-        if "elastic" in state:
-            raise InvalidState(f"rank {rank}'s state is a merged state: merge the states the "
-                               "ranks saved after loading it")
     epoch = max(_epoch_of(s) for s in by_rank)
     prior = _prior(by_rank)
     ranks = [_rank_spec(state, rank, epoch, first) for rank, state in enumerate(by_rank)]
@@ -88,7 +91,11 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict:
             "prior": prior, "ranks": ranks} if left else None
     if spec is not None and any("keys" not in s for s in by_rank):  # an endless iterator
         spec["endless"] = True
-    out: dict = {"version": STATE_VERSION, "elastic": spec, "epoch": epoch, "end": not left,
+    # every rank stood at the next epoch's start (its pass ended: do_checkpoint, the docs' loop
+    # over range(state["epoch"], ...)): so does the merge, or a resumed pass would be empty
+    started = not left and all(_epoch_of(s) != s["epoch"] for s in by_rank)
+    out: dict = {"version": STATE_VERSION, "elastic": spec, "epoch": epoch + started,
+                 "end": not left and not started,
                  "settings": {name: first.get(name) for name in FIXED_SETTINGS}}
     out["digest"] = checksum(out)
     return out
@@ -112,7 +119,7 @@ def load_merged(state: Mapping[str, Any], settings: Mapping[str, Any],
                 "number of ranks, batch_size and num_workers: build the loader as before")
     epoch = state["epoch"]
     if state["elastic"] is None:  # every rank ended the epoch: the next starts afresh
-        return LoaderState(Position(epoch, end=True)), None
+        return LoaderState(Position(epoch, end=bool(state["end"]))), None
     remainder = resolve(state["elastic"], keys_of, endless_of)
     return LoaderState(Position(epoch)), remainder
 

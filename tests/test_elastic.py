@@ -264,6 +264,19 @@ def test_edited_or_foreign_states_are_refused():
         loader.close()
 
 
+def test_an_empty_list_or_a_merged_state_is_refused_saying_so():
+    """The message names the cause: nothing to merge, or a merged state (not a rank's)."""
+    with pytest.raises(gs.InvalidState, match="got an empty list"):
+        gs.merge_states([])
+    with pytest.raises(gs.InvalidState, match="got str"):
+        gs.merge_states("state.json")
+    states = _states()
+    merged = gs.merge_states(states)
+    for given in ([merged], [states[0], merged]):
+        with pytest.raises(gs.InvalidState, match="is a merged state"):
+            gs.merge_states(given)
+
+
 def test_merge_cost_for_64_ranks():
     """The cost of merging 64 ranks' states (printed: median of runs), and of loading it."""
     keys, parts = range(256), 64
@@ -342,6 +355,42 @@ def test_do_checkpoint_writes_every_rank_and_merges_on_another_world_size(tmp_pa
             gs.load_checkpoint(prefix, 1, new)
     finally:
         new.close()
+
+
+def test_states_saved_after_a_pass_resume_at_the_next_epoch_on_another_world_size(tmp_path):
+    """``do_checkpoint`` (and the docs' loop) save after the pass ended: every rank stands at
+    the next epoch's start. Merged, the new ranks stand there too (``epoch`` says so) and their
+    first pass is that epoch as a fresh job of their size reads it, not an empty pass."""
+    import mxnet as mx
+
+    def shard(key):
+        return np.arange(10 + 3 * key, dtype="float32") + 100 * key
+
+    def loader(parts, rank):
+        return gs.StreamLoader(gs.FunctionSource(range(5), shard), batch_size=4, shuffle=True,
+                               seed=0, num_parts=parts, part_index=rank, even_batches=True)
+
+    sym = mx.sym.FullyConnected(mx.sym.var("data"), num_hidden=1, name="fc")
+    params = {"fc_weight": mx.nd.ones((1, 1)), "fc_bias": mx.nd.zeros((1,))}
+    prefix = str(tmp_path / "net")
+    for rank in range(2):
+        old = loader(2, rank)
+        try:
+            assert len(list(old)) > 0
+            gs.do_checkpoint(prefix, old)(0, sym, params, {})
+        finally:
+            old.close()
+    for rank in range(3):
+        new, fresh = loader(3, rank), loader(3, rank)
+        try:
+            gs.load_checkpoint(prefix, 1, new)
+            fresh.set_epoch(1)
+            assert new.epoch == 1
+            expected = [b.asnumpy().tolist() for b in fresh]
+            assert expected and [b.asnumpy().tolist() for b in new] == expected
+        finally:
+            new.close()
+            fresh.close()
 
 
 # -- sources and failures ----------------------------------------------------------------------
