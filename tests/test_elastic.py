@@ -87,18 +87,33 @@ def stage(cfg, parts, batch_size, state, stop):
     return rows, counts, states, loaders
 
 
+def _next_epoch(merged: dict) -> bool:
+    """Whether ``merged`` starts the next epoch (every rank's pass had ended)."""
+    return merged["elastic"] is None and not merged["end"]
+
+
 def check(cfg: model.Config) -> dict:
     """Run the three stages; assert the promise; return the figures."""
     (n0, n1, n2), (b0, b1, b2) = cfg.parts, cfg.batch_sizes
     rows0, counts0, states0, _ = stage(cfg, n0, b0, None, cfg.stops[0])
     merged = gs.merge_states(list(reversed(states0)))  # any order
     rows1, counts1, states1, _ = stage(cfg, n1, b1, merged, cfg.stops[1])
-    rows2, counts2, _, loaders = stage(cfg, n2, b2, gs.merge_states(states1), None)
+    merged2 = gs.merge_states(states1)
+    rows2, counts2, _, loaders = stage(cfg, n2, b2, merged2, None)
     try:  # (a StreamError raised by a stage closed its loaders)
-        trained = collections.Counter(rows0 + rows1 + rows2)
-        twice = {v: c for v, c in trained.items() if c > 1}
-        assert not twice, f"trained more than once: {twice}"
-        assert set(trained) <= cfg.samples()
+        # a merge of states saved after the pass ended starts the next epoch: the stages from
+        # there on read that epoch, each sample once too
+        epochs = [rows0]
+        for state, rows in ((merged, rows1), (merged2, rows2)):
+            if _next_epoch(state):
+                epochs.append([])
+            epochs[-1] += rows
+        for part in epochs:
+            trained = collections.Counter(part)
+            twice = {v: c for v, c in trained.items() if c > 1}
+            assert not twice, f"trained more than once: {twice}"
+            assert set(trained) <= cfg.samples()
+        trained = collections.Counter(epochs[0])
         missing = cfg.samples() - set(trained)
         ended = any(s["end"] or s["epoch"] for s in states0 + states1)  # an epoch ran out: the
         if not ended:  # old job's own drops (even_batches=True) are not the resume's
