@@ -908,3 +908,23 @@ def _saved(cache: LocalShardCache, name: str) -> str:
     tmp = cache.temp_path(name, ".npy")
     np.save(tmp, np.arange(3, dtype=np.int64))
     return tmp
+
+
+def test_cache_limit_1_with_shards_made_at_once_does_not_deadlock(tmp_path):
+    """cache_limit=1 while 2 shards are made at once (default prefetch, producers=2): the one
+    waiting for room waits with the eviction lock released, so the shard being made publishes
+    (it waited holding the lock, the other could not publish: stuck for lock_timeout, then
+    CacheFull)."""
+    def shard(key):
+        time.sleep(0.05)
+        return np.arange(100, dtype=np.float32) + 1000 * key
+
+    src = gs.FunctionSource(range(4), shard, cache_dir=str(tmp_path), cache_limit=1,
+                            lock_timeout=5)
+    loader = gs.StreamLoader(src, batch_size=10, producers=2)
+    try:
+        rows = [v for batch in loader for v in batch.asnumpy().tolist()]
+    finally:
+        loader.close()
+    assert sorted(rows) == sorted(v for k in range(4) for v in shard(k).tolist())
+    assert len([p for p in tmp_path.iterdir() if p.suffix == ".npy"]) <= 1

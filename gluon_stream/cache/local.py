@@ -391,8 +391,12 @@ class LocalShardCache:
         reservation that other generations count until it is published; its path, or None."""
         if not self._room.bounded:
             return None
-        with self._room_for(name, self._room.largest, replacing=False):
-            return self._room.reserve(name, self.temp_path(name, RESERVATION))
+        deadline = time.monotonic() + self.lock_timeout
+        while True:  # waiting with the eviction lock released: shards being made publish
+            with self._locked(EVICT_LOCK, lambda: self._lock_timeout_error(EVICT_LOCK)):
+                if self._make_room(name, self._room.largest, replacing=False, wait=False):
+                    return self._room.reserve(name, self.temp_path(name, RESERVATION))
+            self._room.pause(self, name, deadline)
 
     def _release(self, name: str, reservation: str | None) -> None:
         """Drop the reservation of ``name`` (published, or given up)."""
@@ -475,11 +479,12 @@ class LocalShardCache:
         return final
 
     # -- bounding the cache: what its CacheRoom asks of it (room.Shelf) ----------------------
-    def _make_room(self, name: str, size: int, replacing: bool = True) -> None:
+    def _make_room(self, name: str, size: int, replacing: bool = True,
+                   wait: bool = True) -> bool:
         """Make room for one more shard of ``size`` bytes (see :meth:`CacheRoom.make`);
         ``replacing``: it replaces the cached shard of the same key, which then does not count."""
         replaced = {self._final(name, suffix) for suffix in SUFFIXES} if replacing else set()
-        self._room.make(self, name, size, replaced)
+        return self._room.make(self, name, size, replaced, wait)
 
     def where(self) -> str:
         """The cache's location, for messages."""

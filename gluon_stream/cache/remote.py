@@ -255,9 +255,10 @@ class RemoteShardCache(LocalShardCache):
             logger.debug("%s already removed", path)
 
     # -- bounding the cache ----------------------------------------------------------------------
-    def _make_room(self, name: str, size: int, replacing: bool = True) -> None:
+    def _make_room(self, name: str, size: int, replacing: bool = True,
+                   wait: bool = True) -> bool:
         with storage_errors(self.url, name, "making room in"):
-            super()._make_room(name, size, replacing)
+            return super()._make_room(name, size, replacing, wait)
 
     def listing(self) -> list[tuple[float, str, int]]:
         """(last modified, path, bytes) of every finished shard, listed afresh."""

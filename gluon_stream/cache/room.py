@@ -82,13 +82,15 @@ class CacheRoom:
             self._reserved.pop(name, None)
             remove_if_exists(reservation)
 
-    def make(self, shelf: Shelf, name: str, size: int, replaced: set[str]) -> None:
+    def make(self, shelf: Shelf, name: str, size: int, replaced: set[str],
+             wait: bool = True) -> bool:
         """Evict least recently used, unpinned shards of ``shelf`` (but ``replaced``, which the
         new shard replaces) until one more of ``size`` bytes fits beside the shards other
-        generations are making (each counted as the largest seen).
+        generations are making (each counted as the largest seen); whether it fits.
 
         Called under the eviction lock. While every shard that would have to go is pinned,
-        waits for one to be released, at most ``lock_timeout``.
+        waits for one to be released, at most ``lock_timeout`` (``wait=False``: returns False
+        at once, for a caller that waits with the lock released, see :meth:`pause`).
         """
         if self.limit.max_bytes is not None and size > self.limit.max_bytes:
             raise CacheFull(f"shard {name!r} is {size} bytes, more than cache_limit "
@@ -100,20 +102,27 @@ class CacheRoom:
             making = self._reservations(shelf.root, besides=self._reserved.get(name))
             incoming = (1 + making, size + making * self._largest)
             if evict_lru(shards, self.limit, shelf.try_evict, incoming=incoming):
-                return
-            if time.monotonic() >= deadline:
-                raise CacheFull(
-                    f"shard {name!r}: cache_limit ({self.limit}) leaves no room for it: the "
-                    f"{len(shards)} shards in {shelf.where()} stayed pinned (being read, or "
-                    f"made and not yet read) for lock_timeout={shelf.lock_timeout:g} s; raise "
-                    "cache_limit above the number of shards read at once", key=name)
-            shelf.tell_once("full", logging.INFO,
-                            "cache_limit (%s): every shard in %s that could make room for %r is "
-                            "being read or was just made; waiting for one to be released (at "
-                            "most lock_timeout=%g s)", self.limit, shelf.where(), name,
-                            shelf.lock_timeout)
-            if shelf.closed.wait(ROOM_POLL_S):
-                raise LoaderClosed(f"closed while waiting for room for shard {name!r}")
+                return True
+            if not wait:
+                return False
+            self.pause(shelf, name, deadline)
+
+    def pause(self, shelf: Shelf, name: str, deadline: float) -> None:
+        """Wait a moment for room for ``name``; CacheFull past ``deadline``, LoaderClosed once
+        the cache closes."""
+        if time.monotonic() >= deadline:
+            raise CacheFull(
+                f"shard {name!r}: cache_limit ({self.limit}) leaves no room for it: the shards "
+                f"in {shelf.where()} stayed pinned (being read, or made and not yet read) for "
+                f"lock_timeout={shelf.lock_timeout:g} s; raise cache_limit above the number of "
+                "shards read or made at once", key=name)
+        shelf.tell_once("full", logging.INFO,
+                        "cache_limit (%s): every shard in %s that could make room for %r is "
+                        "being read or was just made; waiting for one to be released (at "
+                        "most lock_timeout=%g s)", self.limit, shelf.where(), name,
+                        shelf.lock_timeout)
+        if shelf.closed.wait(ROOM_POLL_S):
+            raise LoaderClosed(f"closed while waiting for room for shard {name!r}")
 
     @staticmethod
     def _reservations(root: str, besides: str | None) -> int:
