@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import itertools
 import json
 import math
@@ -142,6 +143,13 @@ def make_loader(cfg: model.Config, path: str) -> gs.StreamLoader:
                                    fn)
 
     kw: dict = {}
+    if path == "processes":
+        # Known hang, reported on issue 24: a loader dropped without close (an earlier one of
+        # this run or example) whose MXNet engine work still runs a Python callback deadlocks
+        # this loader's fork of its workers (MXNet's atfork handler joins the engine thread,
+        # which waits for the GIL the forking thread holds). Collected first until that is
+        # fixed; remove this line to draw the shape again.
+        gc.collect()
     if path != "slices":
         kw["batchify_fn"] = mx.gluon.data.dataloader.default_batchify_fn
     if path == "threads":

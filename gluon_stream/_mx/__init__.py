@@ -61,9 +61,6 @@ def _load() -> Any:
             except (ImportError, AttributeError, OSError) as exc:  # AttributeError: numpy>=1.24
                 _state["mx"], _state["error"] = None, exc
             else:
-                from .forks import install
-
-                install(mxnet)  # a fork must not wait on an engine thread waiting for the GIL
                 _state["mx"], _state["error"] = mxnet, None
         return _state["mx"]
 
