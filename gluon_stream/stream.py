@@ -9,37 +9,38 @@ GIL, and nothing has to be forked or pickled.
 The contract with a consumer such as :class:`~gluon_stream.StreamLoader` is public:
 :meth:`ShardStream.start_epoch` begins a pass (optionally with a ``prepare`` step that runs in
 the producer threads, e.g. copying the shard into an NDArray) and returns an
-:class:`EpochRun`, whose :meth:`~EpochRun.next_shard` hands out the shards in order.
+:class:`EpochRun`, whose :meth:`~EpochRun.next_shard` hands out the shards in order. The pass
+lives in :mod:`gluon_stream._pipeline.run` and drives the stream through the public methods
+of its :class:`~gluon_stream._pipeline.run.ShardMaker` contract; ``EpochRun``, ``RunState``
+and ``Shard`` are importable from here as before.
 """
 from __future__ import annotations
 
-import collections
 import concurrent.futures as cf
-import enum
 import itertools
 import logging
 import threading
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from ._utils import validate as _validate
-from ._utils.closing import WAIT_SLICE_S, Closing
+from ._utils.closing import Closing
 from ._utils.cores import usable_cores
 from ._utils.lifecycle import check_owner, track
 from ._utils.random import key_hash, seeded_rng
-from ._mx import import_mxnet
 from ._utils.distributed import resolve_parts
 from .errors import InvalidState, LoaderClosed, SchemaMismatch, add_note
-from ._utils.retry import ErrorPolicy, OnError, is_permanent
+from ._utils.retry import ErrorPolicy, OnError
 from ._utils.columns import names_of, normalize_arrays
 from .sources import RawShard, Source
 from ._pipeline.sizes import ShardSizes, part_rows
 from ._pipeline.keys import KeyTape, part_endless, part_keys
 from ._pipeline.producers import ProducerPool, Throttle
 from ._pipeline.remainder import Remainder
+from ._pipeline.run import EpochRun, RunState
+from ._pipeline.shard import Prepare, Shard
 from ._pipeline.tuning import DEFAULT_PREFETCH, START_PREFETCH, Limits, Tunable, Tuner
 from .records import ShardRecord
 from .stats import Stats
@@ -49,35 +50,6 @@ __all__ = ["EpochRun", "Prepare", "RunState", "Shard", "ShardStream"]
 logger = logging.getLogger(__name__)
 
 DEAL_MODES = ("shards", "samples", "strides")
-_END = object()
-
-#: ``prepare(arrays, order, what) -> arrays``: run in the producer thread after the transform,
-#: it returns the shard's arrays in ``order`` (a permutation or a subset of the rows, or None)
-#: in whatever form the consumer wants them (NDArrays, shared memory, ...); ``what`` names the
-#: shard (key, file, epoch) for its error messages.
-Prepare = Callable[[tuple, "np.ndarray | None", str], tuple]
-
-
-@dataclass
-class Shard:
-    """One ready shard: its key, its position in the epoch and its arrays (samples first)."""
-
-    key: Any
-    epoch: int
-    index: int
-    arrays: tuple
-    record: ShardRecord | None = field(repr=False, default=None)
-    names: tuple[str, ...] | None = None  # the arrays' names (a dict's keys), if they have any
-    full_size: int = -1  # the shard's samples before ranks took their part of them
-
-    def __len__(self) -> int:
-        return int(self.arrays[0].shape[0])
-
-    @property
-    def dataset(self) -> Any:
-        """A ``gluon.data.ArrayDataset`` over the shard's arrays."""
-        return import_mxnet().gluon.data.ArrayDataset(*self.arrays)
-
 
 def schema_of(arrays: Sequence[Any]) -> list[tuple[str, tuple]]:
     """(dtype, trailing shape) of each array: what must agree between shards to batch them."""
@@ -261,16 +233,22 @@ class ShardStream(Closing):
         producer threads the stream has."""
         self._res.throttle.set_active(_validate.integer("producers", producers, minimum=1))
 
-    def _waited(self, key: Any, queued: int = 0) -> None:
+    def producers_busy(self, queued: int) -> bool:
+        """Whether every producer is busy: running, or about to run one of the ``queued``
+        shards."""
+        throttle = self._res.throttle
+        return throttle.running + queued >= throttle.active
+
+    def waited(self, key: Any, queued: int = 0) -> None:
         """The consumer had to wait for shard ``key``: with ``'auto'``, add a producer if every
         producer is busy (running, or about to run one of the ``queued`` shards) and a core
         is free (the loop, waiting, uses none). With a ``memory_budget`` the tuner decides,
         from this and the budget."""
         throttle = self._res.throttle
         if self.tuner is not None:
-            self.tuner.waited(throttle.running + queued >= throttle.active)
+            self.tuner.waited(self.producers_busy(queued))
             return
-        if not self.auto_producers or throttle.running + queued < throttle.active:
+        if not self.auto_producers or not self.producers_busy(queued):
             return
         if throttle.grow():
             logger.info("producers='auto': %d producers (the loop waited for shard %r while "
@@ -473,7 +451,12 @@ class ShardStream(Closing):
         self._res.runs.add(run)
         return run
 
-    def _run_ahead(self, epoch: int, prepare: Prepare | None) -> "EpochRun":
+    @property
+    def next_run(self) -> EpochRun | None:
+        """The pass of the next epoch, begun early while this one ends (None: none is)."""
+        return self._next_run
+
+    def run_ahead(self, epoch: int, prepare: Prepare | None) -> EpochRun:
         """The pass of the epoch after this one, started early to hide its first shards' cost."""
         ahead = self._next_run
         if ahead is None or ahead.epoch != epoch or ahead.prepare is not prepare:
@@ -489,6 +472,17 @@ class ShardStream(Closing):
         every row, in the file's order, not this part's rows in its order)."""
         self.check_open()
         return self._make(key, epoch, index, None, prepare, whole)
+
+    def submit_shard(self, key: Any, epoch: int, index: int, run: EpochRun,
+                     prepare: Prepare | None) -> cf.Future:
+        """Produce shard ``key`` at position ``index`` of ``epoch`` for ``run`` in a producer
+        thread: a future of the :class:`Shard`."""
+        return self._res.executor.submit(self._produce, key, epoch, index, run, prepare)
+
+    def submit_generation(self, key: Any, epoch: int, run: EpochRun) -> cf.Future:
+        """Generate shard ``key`` of ``epoch`` into the cache for ``run`` in a producer thread
+        (it waits there for its turn in the window): a future of the seconds it took."""
+        return self._res.executor.submit(self._generate, key, epoch, run)
 
     def _produce(self, key: Any, epoch: int, index: int, run: "EpochRun | None",
                  prepare: Prepare | None) -> Shard:
@@ -562,7 +556,9 @@ class ShardStream(Closing):
                                    raw.load_s, t2 - t1, lane, source=raw.source, nbytes=nbytes)
         return shard
 
-    def _check_schema(self, shard: Shard) -> None:
+    def check_schema(self, shard: Shard) -> None:
+        """Raise :class:`~gluon_stream.SchemaMismatch` unless ``shard``'s arrays batch with the
+        first shard's (or ``schema=``)."""
         found = schema_of(shard.arrays)
         if self._schema is None:
             self._schema = found
@@ -576,348 +572,3 @@ class ShardStream(Closing):
     def close(self) -> None:
         """Stop producers, kill running generators and release everything; idempotent."""
         self._finalizer()
-
-
-class RunState(enum.IntEnum):
-    """Where an :class:`EpochRun` is in its life: it submits shards while keys are left
-    (``PRODUCING``), then hands out what it submitted (``EXHAUSTED``: no key left, or the key
-    iterator failed), until its consumer is done or a newer pass replaces it (``CANCELLED``:
-    queued work dropped, running producers finish and are ignored). It only moves forward."""
-
-    PRODUCING = 0
-    EXHAUSTED = 1
-    CANCELLED = 2
-
-
-class EpochRun:
-    """One pass over an epoch's keys: a window of futures, handed out in order.
-
-    Attributes:
-        epoch: The epoch this pass produces.
-        index: Position in the epoch of the next shard to be submitted.
-        skipped: Shards dropped by ``on_error='skip'`` so far.
-        last_wait_s: How long the last :meth:`next_shard` waited for its shard to be produced.
-        max_pending: The most shards in flight at once (queued, being produced, or ready and
-            not yet handed out); None: ``prefetch + 1``. A consumer that keeps several shards
-            it was handed (a shuffle window) lowers it, so that what it holds and what is in
-            flight stay within its budget; at least 1, so production always overlaps.
-    """
-
-    def __init__(self, stream: ShardStream, epoch: int, skip: int = 0,
-                 prepare: Prepare | None = None, skipped: Sequence[int] = ()) -> None:
-        self.stream = stream
-        self.epoch = epoch
-        self.prepare = prepare
-        # from ``skip`` on: a resume does not produce the shards before it again
-        self.keys, self.finite, self.key_list = stream.epoch_keys(epoch, start=skip)
-        self.pending: collections.deque = collections.deque()
-        self.index = skip
-        self.state = RunState.PRODUCING
-        self.skipped = 0
-        self.skipped_at: list[int] = []  # positions of the shards skipped, in order
-        self._preskipped = frozenset(skipped)
-        self.key_error: BaseException | None = None
-        self.last_wait_s = 0.0
-        self.waits = 0  # times a shard was asked for before it was produced
-        self.max_pending: int | None = None
-        self._handed = False  # a shard was handed out: the consumer holds one (see _window)
-        self._lookahead: collections.deque = collections.deque()  # (key, index) drawn early
-        self._ahead: dict[int, cf.Future] = {}  # index -> generation into the cache
-        # the consumer fills the window; producers finishing a shard start generations ahead
-        self._lock = threading.RLock()
-
-    def index_next(self) -> int:
-        """The position of the shard :meth:`next_shard` hands out next."""
-        with self._lock:
-            return self.pending[0][1] if self.pending else self.index
-
-    def push_back(self, shard: Shard) -> None:
-        """Hand ``shard`` out again first (an epoch stopped inside it; the next goes on)."""
-        done: cf.Future = cf.Future()
-        done.set_result(shard)
-        with self._lock:
-            self.pending.appendleft((shard.key, shard.index, done))
-
-    @property
-    def cancelled(self) -> bool:
-        """The pass was cancelled: it hands out nothing more."""
-        return self.state is RunState.CANCELLED
-
-    @property
-    def exhausted(self) -> bool:
-        """Every key is submitted (or the keys failed): nothing more will be produced."""
-        return self.state >= RunState.EXHAUSTED
-
-    def _advance(self, state: RunState) -> None:
-        self.state = max(self.state, state)  # forward only: a cancelled pass stays cancelled
-
-    def _next_key(self) -> Any:
-        """The next (key, index) in order, or _END; a failing key iterator ends the keys."""
-        if self._lookahead:
-            return self._lookahead.popleft()
-        return self._draw_key()
-
-    def _draw_key(self) -> Any:
-        """The key after those drawn already (and looked ahead at), with its index, or _END."""
-        if self.key_error is not None:
-            return _END
-        try:
-            key = next(self.keys, _END)
-        except Exception as exc:  # the keys' own iterator failed: the shards drawn come first
-            add_note(exc, f"gluon_stream: raised by the keys of epoch {self.epoch} after "
-                          f"{self.index + len(self._lookahead)} key(s); the shards of those "
-                          "were delivered first")
-            self.key_error = exc
-            return _END
-        if key is _END:
-            return _END
-        return key, self.index + len(self._lookahead)
-
-    def generated(self, index: int) -> float:
-        """Wait for shard ``index``'s generation ahead, if one runs: its seconds (0: none
-        ran; a generation not yet started is dropped and the shard made as usual). Its
-        failure is raised here, where the shard's error policy applies."""
-        fut = self._ahead.pop(index, None)  # one pop: atomic, no lock to wait for
-        if fut is None or fut.cancel():
-            return 0.0
-        return fut.result()
-
-    def _generate_ahead(self, _: Any = None) -> None:
-        """Keep idle producers generating the shards after the window into the cache (called
-        when the window is filled and whenever a producer finishes)."""
-        stream = self.stream
-        if not stream.generate_ahead or self.cancelled or stream.closed:
-            return
-        with self._lock:
-            self._start_generation()
-
-    def _start_generation(self, busy: int = 0) -> None:
-        """Submit one generation ahead if a producer is idle (``busy``: shards an earlier
-        pass has queued, which come first)."""
-        stream = self.stream
-        depth = stream.generate_ahead
-        throttle = stream._res.throttle
-        if throttle.running + self._queued() + busy >= throttle.active:
-            return  # no producer is idle: the window's shards come first
-        ended = False
-        while len(self._lookahead) < depth:
-            nxt = self._draw_key()
-            if nxt is _END:
-                ended = True
-                break
-            self._lookahead.append(nxt)
-        for key, index in self._lookahead:
-            if index not in self._ahead and index not in self._preskipped:
-                fut = stream._res.executor.submit(stream._generate, key,
-                                                  stream.made_epoch(self.epoch, index), self)
-                self._ahead[index] = fut
-                fut.add_done_callback(self._generate_ahead)
-                return  # one at a time: the next call sees whether a producer is still idle
-        if ended and self.finite and not self.cancelled and not self._last_epoch() \
-                and self.stream._next_run is not self:  # a pass made ahead stops at its own
-            self._generate_next_epoch()
-
-    def _last_epoch(self) -> bool:
-        return self.stream.num_epochs is not None and self.epoch + 1 >= self.stream.num_epochs
-
-    def _generate_next_epoch(self) -> None:
-        """Every key of this pass is made or under way, and a producer is idle: it generates
-        the next epoch's first shards into the cache (disk, not memory: a shuffle window's
-        tail keeps its shards, and the next epoch starts on shards already made)."""
-        nxt = self._next_epoch_run("generating")
-        if nxt is None:
-            return
-        with nxt._lock:
-            nxt._start_generation(busy=self._queued())
-
-    def _next_epoch_run(self, doing: str) -> "EpochRun | None":
-        """The stream's pass for the next epoch, begun early; None if its keys failed (they
-        raise again when that epoch starts)."""
-        try:
-            return self.stream._run_ahead(self.epoch + 1, self.prepare)
-        except Exception as exc:
-            logger.debug("not %s epoch %d early: %s: %s", doing, self.epoch + 1,
-                         type(exc).__name__, exc)
-            return None
-
-    def _submit(self, key: Any, index: int) -> cf.Future:
-        fut = self.stream._res.executor.submit(self.stream._produce, key, self.epoch, index,
-                                               self, self.prepare)
-        if self.stream.generate_ahead:
-            fut.add_done_callback(self._generate_ahead)
-        return fut
-
-    def _fill(self, depth: int, ahead: bool = True) -> None:
-        with self._lock:
-            self._fill_locked(depth, ahead)
-
-    def _fill_locked(self, depth: int, ahead: bool) -> None:
-        if self.max_pending is not None:
-            depth = min(depth, max(1, self.max_pending))
-        while len(self.pending) < depth and not self.exhausted:
-            nxt = self._next_key()
-            if nxt is _END:
-                self._advance(RunState.EXHAUSTED)
-                break
-            key, index = nxt
-            self.index = index + 1  # first: a callback of the submit below draws the next key
-            if index in self._preskipped:  # failed before the resume: skipped again
-                logger.debug("shard %r (epoch %d) stays skipped, as before the resume", key,
-                             self.epoch)
-                self.skipped += 1
-                self.skipped_at.append(index)
-            else:
-                self.pending.append((key, index, self._submit(key, index)))
-        if ahead and self.exhausted and self.finite and len(self.pending) < depth \
-                and not self.cancelled and not self._last_epoch():
-            # the window has room: start on the next epoch (the one set_epoch(e + 1) or the
-            # next pass will ask for); a different epoch discards it
-            nxt = self._next_epoch_run("starting")
-            if nxt is None:
-                return
-            nxt._fill(depth - len(self.pending), ahead=False)
-        if ahead:
-            self._generate_ahead()
-
-    def start(self) -> None:
-        """Submit the first window of shards now (otherwise the first ``next_shard`` does)."""
-        self._fill(self.stream.prefetch + 1)
-
-    def _window(self) -> int:
-        """Shards to keep submitted: ``prefetch + 1`` before the first is handed out, then
-        ``prefetch`` (at least the next one), before a shard is handed out as after: the
-        shard in use is alive until the next is handed out, so filling ``prefetch + 1`` while
-        the consumer held one kept a shard more than the memory bound counts."""
-        prefetch = self.stream.prefetch
-        return max(1, prefetch) if self._handed else prefetch + 1
-
-    def ready(self) -> bool:
-        """Whether :meth:`next_shard` would return without waiting for a producer."""
-        if self.cancelled or self.stream.closed:
-            return True
-        self._fill(self._window())
-        return not self.pending or self.pending[0][2].done()
-
-    def has_shard(self) -> bool:
-        """Whether the next shard is produced and good: :meth:`next_shard` hands it out at once."""
-        if self.cancelled or self.stream.closed:
-            return False
-        self._fill(self.stream.prefetch + 1)
-        if not self.pending:
-            return False
-        fut = self.pending[0][2]
-        return fut.done() and not fut.cancelled() and fut.exception() is None
-
-    def _queued(self) -> int:
-        """Shards of this pass submitted to the producers and not started yet."""
-        with self._lock:
-            futures = [fut for _, _, fut in self.pending] + list(self._ahead.values())
-        return sum(1 for fut in futures if not (fut.running() or fut.done()))
-
-    def ready_ahead(self) -> int:
-        """Shards ahead of the consumer that are already produced."""
-        with self._lock:
-            return sum(1 for _, _, fut in self.pending if fut.done())
-
-    def next_shard(self) -> Shard | None:
-        """The next shard in order, or None at the end of the epoch."""
-        stream = self.stream
-        self.last_wait_s = 0.0  # summed over retries; 0 at the end (nothing was waited for)
-        while True:
-            stream.check_open()
-            if self.cancelled:
-                raise LoaderClosed("this epoch pass was replaced by a newer one")
-            self._fill(self._window())
-            if not self.pending:
-                if self.key_error is not None:
-                    error, self.key_error = self.key_error, None
-                    raise error
-                return None
-            with self._lock:
-                key, index, fut = self.pending.popleft()
-            self._fill(stream.prefetch)
-            shard = self._wait(key, index, fut)
-            if shard is not None:
-                self._handed = True
-                return shard
-
-    def _wait(self, key: Any, index: int, fut: cf.Future) -> Shard | None:
-        stream = self.stream
-        policy = stream.error_policy
-        attempts = 0
-        while True:
-            try:
-                shard = self._result(fut, key)
-                stream._check_schema(shard)
-            except (LoaderClosed, KeyboardInterrupt, cf.CancelledError):
-                raise
-            except Exception as exc:
-                summary = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                if policy.mode == "retry" and attempts < policy.retries and not is_permanent(exc):
-                    attempts += 1
-                    logger.warning("shard %r failed (%s); retry %d/%d", key, summary, attempts,
-                                   policy.retries)
-                    logger.debug("shard %r failure in full: %s", key, exc)
-                    fut = self._submit(key, index)
-                    continue
-                if policy.mode == "skip":
-                    logger.warning("skipping shard %r (epoch %d): %s", key, self.epoch, summary)
-                    logger.debug("shard %r failure in full: %s", key, exc)
-                    self.skipped += 1
-                    self.skipped_at.append(index)
-                    stream.stats.add_shard(ShardRecord(key, self.epoch,
-                                                       error=f"{type(exc).__name__}: {exc}"))
-                    return None
-                raise
-            record = shard.record
-            assert record is not None  # _make records every shard it makes
-            stream.stats.add_shard(record)
-            if stream.tuner is not None:  # may refuse the shard: before any batch of it
-                stream.tuner.shard_ready(key, record.nbytes, record.samples, self.last_wait_s,
-                                         record.generate_s + record.load_s + record.transform_s,
-                                         self.epoch)
-                self._fill(stream.prefetch)  # a prefetch just raised fills the window now
-            stream.sizes.remember(key, stream.made_epoch(self.epoch, index), shard.full_size)
-            expected = stream.sizes.shard_size(key, self.epoch) if stream.sizes.declared(key) \
-                is not None and stream.remainder_of(self.epoch) is None else None
-            if expected is not None and expected != len(shard):
-                logger.warning(
-                    "shard %r (epoch %d) gives this part %d samples after transform, but "
-                    "shard_sizes declares %d: batch counts (len(), even_batches) follow the "
-                    "declared sizes on every rank, and a part left short repeats its last batch. "
-                    "Fix shard_sizes", key, self.epoch, len(shard), expected)
-            logger.info("shard %r ready: %d samples (generate %.2f s, load %.2f s, "
-                        "transform %.2f s%s)", key, len(shard), record.generate_s,
-                        record.load_s, record.transform_s, ", cached" if record.cache_hit else "")
-            return shard
-
-    def _result(self, fut: cf.Future, key: Any = None) -> Shard:
-        clock = self.stream.stats.clock
-        start = clock()
-        try:
-            return self._poll(fut, key)
-        finally:
-            self.last_wait_s += clock() - start
-
-    def _poll(self, fut: cf.Future, key: Any = None) -> Shard:
-        # cf.wait, not result(timeout=): since Python 3.11 cf.TimeoutError is the built-in
-        # TimeoutError, so a shard that failed with ShardTimeout would look 'not ready yet'
-        if not fut.done():
-            self.waits += 1
-            self.stream._waited(key, self._queued() + (not fut.running()))
-        while not cf.wait([fut], timeout=WAIT_SLICE_S).done:
-            self.stream.check_open()
-            if self.cancelled:
-                raise LoaderClosed("this epoch pass was cancelled")
-        return fut.result()
-
-    def cancel(self) -> None:
-        """Drop queued work; running producers finish (populating caches) and are ignored."""
-        self._advance(RunState.CANCELLED)
-        with self._lock:
-            while self.pending:
-                _, _, fut = self.pending.popleft()
-                fut.cancel()
-            for fut in self._ahead.values():
-                fut.cancel()
-            self._ahead.clear()

@@ -146,13 +146,13 @@ def test_rotation_is_timed_only_at_boundaries_whose_shard_was_ready():
         next(it), next(it)  # shard 0
         wait_for(loader._path.ready, what="shard 1 produced")
         next(it), next(it)  # shard 1, produced before the loop asked for it
-        real = loader.stream._waited
+        real = loader.stream.waited
 
         def waited(key, *args):  # shard 2 is released only once the loop waits for it
             gate.set()
             real(key, *args)
 
-        loader.stream._waited = waited
+        loader.stream.waited = waited
         assert [b.asnumpy().tolist() for b in it] == [[20.0, 21, 22, 23], [24.0, 25, 26, 27]]
     record = loader.stats.epochs[-1]
     assert len(record.rotation_s) == 1 and record.stall_s > 0

@@ -2,7 +2,10 @@
 
 A pass (:mod:`gluon_stream._pipeline.epoch`) drives a :class:`BatchPath` (planned batches into data:
 slices of a unit, or per-sample work); the per-sample path drives :class:`Workers` (inline,
-threads or processes). The shard cache's contract is
+threads or processes); a pass's shards come from an :class:`~gluon_stream.stream.EpochRun`,
+which drives the stream's producer side through
+:class:`gluon_stream._pipeline.run.ShardMaker` (it lives beside the run: these contracts name
+the feed's types, which name the run). The shard cache's contract is
 :class:`gluon_stream.cache.ShardCache`; a source's is :class:`gluon_stream.Source`. Each
 implementation is checked against its Protocol where it is built (an assignment to the
 Protocol's type), so two implementations cannot drift apart in arity unnoticed.
@@ -16,7 +19,7 @@ if TYPE_CHECKING:
 
     from .batching import Batch, Segment
     from .feed import Carry, MixedData, UnitFeed
-    from ..stream import Prepare
+    from .shard import Prepare
 
 __all__ = ["BatchPath", "Workers"]
 

@@ -1,0 +1,43 @@
+"""One ready shard, and the ``prepare`` step that puts its arrays in the consumer's form.
+
+Both are what a :class:`~gluon_stream.ShardStream` hands a pass (:mod:`.run`) and what the
+stages after it read; they live below both so that the contracts can name them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from .._mx import import_mxnet
+from ..records import ShardRecord
+
+__all__ = ["Prepare", "Shard"]
+
+#: ``prepare(arrays, order, what) -> arrays``: run in the producer thread after the transform,
+#: it returns the shard's arrays in ``order`` (a permutation or a subset of the rows, or None)
+#: in whatever form the consumer wants them (NDArrays, shared memory, ...); ``what`` names the
+#: shard (key, file, epoch) for its error messages.
+Prepare = Callable[[tuple, "np.ndarray | None", str], tuple]
+
+
+@dataclass
+class Shard:
+    """One ready shard: its key, its position in the epoch and its arrays (samples first)."""
+
+    key: Any
+    epoch: int
+    index: int
+    arrays: tuple
+    record: ShardRecord | None = field(repr=False, default=None)
+    names: tuple[str, ...] | None = None  # the arrays' names (a dict's keys), if they have any
+    full_size: int = -1  # the shard's samples before ranks took their part of them
+
+    def __len__(self) -> int:
+        return int(self.arrays[0].shape[0])
+
+    @property
+    def dataset(self) -> Any:
+        """A ``gluon.data.ArrayDataset`` over the shard's arrays."""
+        return import_mxnet().gluon.data.ArrayDataset(*self.arrays)
