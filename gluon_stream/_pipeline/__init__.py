@@ -5,6 +5,8 @@ In the order data flows through them:
 * ``keys``: which keys an epoch reads, and the kept keys of an endless iterator;
 * ``sizes``: what is known of shard sizes (declared, known to the source, seen in a pass);
 * ``producers``: the producer threads of a :class:`~gluon_stream.ShardStream` and their throttle;
+* ``shard``: one ready shard, and the ``prepare`` step that puts its arrays in the consumer's form;
+* ``run``: one pass's window of shards, handed out in order, and the stream's side it drives;
 * ``feed``: an epoch's shards as the units the planner cuts (one shard, or a window);
 * ``batching``: which samples form which batch, the carry, where a resume starts (pure Python);
 * ``batch_paths``: planned batches into data (slices of a shard, or per-sample work);
