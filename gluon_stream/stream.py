@@ -233,11 +233,11 @@ class ShardStream(Closing):
         producer threads the stream has."""
         self._res.throttle.set_active(_validate.integer("producers", producers, minimum=1))
 
-    def producers_busy(self, queued: int) -> bool:
-        """Whether every producer is busy: running, or about to run one of the ``queued``
-        shards."""
+    def idle_producers(self) -> int:
+        """Producers free to start a shard now: those that may work at once less those at work
+        (below 0 while the ``memory_budget`` tuner's lower count lets shards at work finish)."""
         throttle = self._res.throttle
-        return throttle.running + queued >= throttle.active
+        return throttle.active - throttle.running
 
     def waited(self, key: Any, queued: int = 0) -> None:
         """The consumer had to wait for shard ``key``: with ``'auto'``, add a producer if every
@@ -246,9 +246,9 @@ class ShardStream(Closing):
         from this and the budget."""
         throttle = self._res.throttle
         if self.tuner is not None:
-            self.tuner.waited(self.producers_busy(queued))
+            self.tuner.waited(throttle.running + queued >= throttle.active)
             return
-        if not self.auto_producers or not self.producers_busy(queued):
+        if not self.auto_producers or throttle.running + queued < throttle.active:
             return
         if throttle.grow():
             logger.info("producers='auto': %d producers (the loop waited for shard %r while "

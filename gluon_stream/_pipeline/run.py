@@ -81,8 +81,8 @@ class ShardMaker(Protocol):
     def remainder_of(self, epoch: int) -> Remainder | None:
         """The remainder read in place of ``epoch``'s keys, if any."""
 
-    def producers_busy(self, queued: int) -> bool:
-        """Whether every producer is busy, counting ``queued`` shards about to run."""
+    def idle_producers(self) -> int:
+        """Producers free to start a shard now (below 0: more at work than may be)."""
 
     def submit_shard(self, key: Any, epoch: int, index: int, run: EpochRun,
                      prepare: Prepare | None) -> cf.Future:
@@ -220,7 +220,8 @@ class EpochRun:
         pass has queued, which come first)."""
         stream = self.stream
         depth = stream.generate_ahead
-        if stream.producers_busy(self._queued() + busy):
+        idle = stream.idle_producers()  # before the queue: a shard starting leaves it for these
+        if self._queued() + busy >= idle:
             return  # no producer is idle: the window's shards come first
         ended = False
         while len(self._lookahead) < depth:
