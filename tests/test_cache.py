@@ -910,6 +910,7 @@ def _saved(cache: LocalShardCache, name: str) -> str:
     return tmp
 
 
+@pytest.mark.mxnet
 def test_cache_limit_1_with_shards_made_at_once_does_not_deadlock(tmp_path):
     """cache_limit=1 while 2 shards are made at once (default prefetch, producers=2): the one
     waiting for room waits with the eviction lock released, so the shard being made publishes
