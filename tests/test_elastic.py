@@ -424,6 +424,29 @@ def _rows(loader, stop=None):
     return out
 
 
+def _stop_and_merge(loader, parts, stop):
+    """Every rank of a ``parts``-rank job trains ``stop`` rows, saves and closes: what they
+    trained, and the merge of their states."""
+    trained, states = [], []
+    for rank in range(parts):
+        old = loader(parts, rank)
+        trained += _rows(old, stop=stop)
+        states.append(old.state_dict())
+        old.close()
+    return trained, gs.merge_states(states)
+
+
+def _resume_rows(loader, parts, merged):
+    """What every rank of a ``parts``-rank job trains after loading ``merged``."""
+    trained = []
+    for rank in range(parts):
+        new = loader(parts, rank)
+        new.load_state_dict(merged)
+        trained += _rows(new)
+        new.close()
+    return trained
+
+
 def test_a_mix_resumed_on_another_world_size_and_a_changed_mix_refused():
     def loader(parts, rank, weights=None):
         return gs.StreamLoader(_mix(weights or {"a": 1, "b": 2}), batch_size=3, shuffle=True,
@@ -434,18 +457,8 @@ def test_a_mix_resumed_on_another_world_size_and_a_changed_mix_refused():
         full = loader(2, rank)
         whole += _rows(full)
         full.close()
-    trained, states = [], []
-    for rank in range(2):
-        old = loader(2, rank)
-        trained += _rows(old, stop=3)
-        states.append(old.state_dict())
-        old.close()
-    merged = gs.merge_states(states)
-    for rank in range(3):
-        new = loader(3, rank)
-        new.load_state_dict(merged)
-        trained += _rows(new)
-        new.close()
+    trained, merged = _stop_and_merge(loader, 2, stop=3)
+    trained += _resume_rows(loader, 3, merged)
     assert sorted(trained) == sorted(whole)  # each sample of the mix's epoch once
     other = loader(3, 0, weights={"a": 2, "b": 1})
     try:
@@ -465,18 +478,8 @@ def test_failing_shards_skipped_before_and_after_a_resize():
         return gs.StreamLoader(gs.FunctionSource(range(8), shard), batch_size=4, shuffle=True,
                                seed=1, num_parts=parts, part_index=rank, on_error="skip")
 
-    trained, states = [], []
-    for rank in range(3):
-        old = loader(3, rank)
-        trained += _rows(old, stop=4)
-        states.append(old.state_dict())
-        old.close()
-    merged = gs.merge_states(states)
-    for rank in range(2):
-        new = loader(2, rank)
-        new.load_state_dict(merged)
-        trained += _rows(new)
-        new.close()
+    trained, merged = _stop_and_merge(loader, 3, stop=4)
+    trained += _resume_rows(loader, 2, merged)
     expected = [v for k in range(8) if k != 3 for v in (np.arange(9.0) + 100 * k).tolist()]
     assert sorted(trained) == sorted(expected)
 
