@@ -246,7 +246,9 @@ def test_cache_limit_in_bytes_and_bad_values(tmp_path):
     with gs.StreamLoader(src, batch_size=500) as loader:
         assert sum(1 for _ in loader) == 20
     sizes = [os.path.getsize(tmp_path / f) for f in cached(tmp_path)]
-    assert sum(sizes) <= 3500 and len(sizes) == 3
+    # 3 fit; 2 when the producer had made room for the next epoch's first shard (generated
+    # ahead) when the loader closed and gave that shard up
+    assert sum(sizes) <= 3500 and len(sizes) in (2, 3) and set(sizes) == {1128}
 
 
 def on_disk(cache) -> int:
