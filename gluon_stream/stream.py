@@ -35,7 +35,7 @@ from .errors import InvalidState, LoaderClosed, SchemaMismatch, add_note
 from ._utils.retry import ErrorPolicy, OnError
 from ._utils.columns import names_of, normalize_arrays
 from .sources import RawShard, Source
-from ._pipeline.sizes import ShardSizes, part_rows
+from ._pipeline.sizes import ShardSizes, part_rows, turn_of
 from ._pipeline.keys import KeyTape, part_endless, part_keys
 from ._pipeline.producers import ProducerPool, Throttle
 from ._pipeline.remainder import Remainder
@@ -49,7 +49,7 @@ __all__ = ["EpochRun", "Prepare", "RunState", "Shard", "ShardStream"]
 
 logger = logging.getLogger(__name__)
 
-DEAL_MODES = ("shards", "samples", "strides")
+DEAL_MODES = ("shards", "samples", "strides", "turns")
 
 def schema_of(arrays: Sequence[Any]) -> list[tuple[str, tuple]]:
     """(dtype, trailing shape) of each array: what must agree between shards to batch them."""
@@ -99,6 +99,9 @@ class ShardStream(Closing):
             ``num_parts`` samples per shard); pair it with a shared ``cache_dir``.
             ``'strides'``: the same strides with nothing dropped (parts may differ by one
             sample per shard; ``even_batches='pad'`` evens them out with padding).
+            ``'turns'``: the same strides, the first row turning to the next part from shard to
+            shard and from pass to pass, so that shards smaller than the part count starve no
+            part (``samples_per_epoch`` with fewer keys than ranks).
         generate_ahead: With a ``cache_dir``, producers that would otherwise sit idle generate
             up to this many shards beyond the ``prefetch`` window into the cache (disk, not
             memory), in key order: a shard that takes long to generate no longer holds up the
@@ -384,9 +387,10 @@ class ShardStream(Closing):
                                   self.num_parts, self.part_index, self.deal,
                                   self.sizes.rows_before(epoch, index))
         order = self.shard_order(key, epoch, length)
-        if self.deal in ("samples", "strides") and self.num_parts > 1:
+        if self.deal != "shards" and self.num_parts > 1:
             rows = np.arange(length) if order is None else order
-            order = part_rows(rows, self.num_parts, self.part_index, self.deal)
+            order = part_rows(rows, self.num_parts, self.part_index, self.deal,
+                              turn_of(epoch, index) if self.deal == "turns" else None)
         return order
 
     def shard_order(self, key: Any, epoch: int, length: int) -> np.ndarray | None:

@@ -32,7 +32,10 @@ of features and interruptions and compare the batches exactly:
   apart), or an endless iterator (with ``samples_per_epoch``).
 * **Topologies the ranks must agree on** (:func:`deal_for`). Fewer keys than ranks:
   ``samples_per_epoch`` and ``even_batches=True`` deal strides of every shard instead of whole
-  shards (a rank dealt no key would read nothing). With even_batches, a part with no batch of
+  shards (a rank dealt no key would read nothing); with ``samples_per_epoch`` they turn: the
+  shard at position ``j`` of pass ``p`` gives its first row to part ``(p + j) % parts``
+  (``deal='turns'``), so shards smaller than the part count starve no part, and only passes
+  whose shards hold no sample at all count as empty (every part alike). With even_batches, a part with no batch of
   its own to repeat (dealt nothing, or only empty or failing shards) while the others yield
   some takes the first ``batch_size`` rows (cycled) of the first shard of the epoch's key list,
   in the source's order, that holds any (and does not fail), read whole in file order: with
@@ -94,7 +97,7 @@ def deal_for(even: Any, parts: int, sizes_known: bool, samples_per_epoch: Any,
     if parts == 1:
         return "shards"
     if samples_per_epoch is not None:
-        return "strides" if few else "shards"
+        return "turns" if few else "shards"
     if even and not sizes_known:
         return "strides" if even == "pad" else "samples"
     if even is True and few:
@@ -127,8 +130,9 @@ def borrowed(cfg: Config, epoch: int) -> list | None:
     return None
 
 
-def shard_rows(cfg: Config, epoch: int, part: int, key: Any) -> list[int]:
-    """The rows of a shard one part reads, in order."""
+def shard_rows(cfg: Config, epoch: int, part: int, key: Any, index: int = 0) -> list[int]:
+    """The rows of a shard one part reads, in order (``index``: its position in the pass;
+    ``deal='turns'``: the shard's first row goes to part ``(epoch + index) % parts``)."""
     size = cfg.sizes[key]
     rows = list(range(size))
     if cfg.shuffle and size > 1:
@@ -137,14 +141,16 @@ def shard_rows(cfg: Config, epoch: int, part: int, key: Any) -> list[int]:
         rows = rows[part::cfg.num_parts][:size // cfg.num_parts]
     if cfg.deal == "strides" and cfg.num_parts > 1:
         rows = rows[part::cfg.num_parts]
+    if cfg.deal == "turns" and cfg.num_parts > 1:
+        rows = rows[(part - epoch - index) % cfg.num_parts::cfg.num_parts]
     return rows
 
 
 def epoch_units(cfg: Config, epoch: int, part: int) -> list[list]:
     """An epoch's units for one part: lists of sample ids, read front to back."""
     shards = []
-    for key in epoch_keys(cfg, epoch, part):
-        rows = [] if key in cfg.failing else shard_rows(cfg, epoch, part, key)
+    for index, key in enumerate(epoch_keys(cfg, epoch, part)):
+        rows = [] if key in cfg.failing else shard_rows(cfg, epoch, part, key, index)
         shards.append([cfg.sample_id(key, r) for r in rows])
     k = cfg.shuffle_window
     if k == 1:
@@ -170,12 +176,14 @@ def part_total(cfg: Config, epoch: int, part: int) -> int:
     sizes = cfg.declared if cfg.declared is not None else {  # what the parts see
         key: 0 if key in cfg.failing else n for key, n in cfg.sizes.items()}
     total, parts = 0, cfg.num_parts
-    for key in epoch_keys(cfg, epoch, part):
+    for index, key in enumerate(epoch_keys(cfg, epoch, part)):
         n = sizes[key]
         if cfg.deal == "samples" and parts > 1:
             n //= parts
         elif cfg.deal == "strides" and parts > 1:
             n = len(range(part, n, parts))
+        elif cfg.deal == "turns" and parts > 1:
+            n = len(range((part - epoch - index) % parts, n, parts))
         total += n
     return total
 
@@ -236,7 +244,11 @@ def sample_stream(cfg: Config, epochs: int, part: int) -> list:
         return stream[:needed]
     while len(stream) < needed:
         samples = [s for unit in epoch_units(cfg, key_pass, part) for s in unit]
-        empty = 0 if samples else empty + 1
+        if cfg.deal == "turns" and cfg.num_parts > 1:  # every part sees the pass alike
+            held = any(cfg.sizes[k] for k in keys_for(cfg, key_pass) if k not in cfg.failing)
+        else:
+            held = bool(samples)
+        empty = 0 if held else empty + 1
         if empty == EMPTY_PASSES:
             raise NoSamples(f"part {part}: {EMPTY_PASSES} passes without a sample")
         stream += samples

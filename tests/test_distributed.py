@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import gluon_stream as gs
-from _helpers import batch_ids, id_shards
+from _helpers import all_ids, batch_ids, id_shards
 from gluon_stream._utils.distributed import resolve_parts
 
 pytestmark = pytest.mark.mxnet  # these tests use MXNet: warm its engine first
@@ -367,3 +367,46 @@ def test_even_batches_with_sizes_unknown_balances_the_strides(sizes, batch_size,
     # a rank keeps all but at most batch_size - 1 of its share
     for rank, batches in enumerate(kept):
         assert batch_size * len(batches) >= total // ranks - (batch_size - 1), rank
+
+
+TURNS_WORKER = """
+import json, sys
+import gluon_stream as gs
+sys.path.insert(0, {tests!r})
+from _helpers import id_shards, batch_ids
+src = gs.FunctionSource(range(3), id_shards({sizes!r}))
+out = []
+loader = gs.StreamLoader(src, batch_size=2, num_parts="auto", part_index="auto", seed=2,
+                         shuffle=True, samples_per_epoch=4)
+for epoch in range(3):
+    loader.set_epoch(epoch)
+    out.append([batch_ids(b) for b in loader])  # no with: the loader closes when dropped
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_samples_per_epoch_with_shards_smaller_than_the_ranks_reaches_every_rank():
+    """Issue 24 §3: samples_per_epoch with fewer keys than ranks and every shard smaller than
+    the rank count (3 dates of 1, 2 and 3 rows on 4 GPUs). Fixed strides gave rank 3 no row in
+    any pass, so it raised after 16 passes while ranks 0-2 trained: a hung job. Turning
+    strides reach every rank: each of 4 real processes reads 4 samples an epoch, 2 batches,
+    every sample one of the shards'."""
+    import os
+    sizes = [1, 2, 3]
+    code = TURNS_WORKER.format(tests=os.path.dirname(__file__), sizes=sizes)
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="4"))
+             for r in range(4)]
+    outs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=150)
+        assert proc.returncode == 0, err
+        outs.append(json.loads(out))
+    ids = set(all_ids(sizes))
+    for rank, epochs in enumerate(outs):
+        assert [len(e) for e in epochs] == [2, 2, 2], rank  # equal step counts every epoch
+        assert all(len(b) == 2 and set(b) <= ids for e in epochs for b in e), rank
+    # over 4 passes every rank reads every row position of every shard: the union is all rows
+    assert {i for e in outs for ep in e for b in ep for i in b} == ids

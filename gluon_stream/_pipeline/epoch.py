@@ -218,13 +218,15 @@ class EpochPass:
                         yield batch
                     break
                 whole = not position.unit and not position.offset
-                empty = empty + 1 if whole and feed.end.taken == position.taken else 0
+                empty = empty + 1 if whole and _empty_pass(stream, feed, position) else 0
                 if empty == EMPTY_PASSES:
+                    whose = (f"gave part {stream.part_index} of {stream.num_parts} no sample"
+                             if stream.deal == "shards" else "held no sample in any shard "
+                             "(every rank stops here alike)")
                     raise StreamError(
                         f"samples_per_epoch={settings.epoch_samples}: {EMPTY_PASSES} passes "
-                        f"over the keys in a row (up to pass {run.epoch}) gave part "
-                        f"{stream.part_index} of {stream.num_parts} no sample; are the shards "
-                        "empty (a transform returning 0 rows), or skipped?")
+                        f"over the keys in a row (up to pass {run.epoch}) {whose}; are the "
+                        "shards empty (a transform returning 0 rows), or skipped?")
                 position = Position(run.epoch + 1, 0, 0, feed.end.carry, taken=feed.end.taken)
             run, feed = runs[-1]
             end = self.state.position if self.state.position.end else feed.end
@@ -521,7 +523,7 @@ class EpochPass:
         for j in range(mixer.first_shard(seg.unit, window), min(seg.unit + 1, len(keys))):
             if (seg.epoch, j) in skipped:  # failed before: an empty shard in the mix, as it was
                 continue
-            shards[j] = stream.produce_now(keys[j], seg.epoch, prepare)
+            shards[j] = stream.produce_now(keys[j], seg.epoch, prepare, j)
             units.extend(mixer.add(j, len(shards[j])))
         units.extend(mixer.finish())
         unit = next((u for u in units if u.index == seg.unit), None)
@@ -568,6 +570,17 @@ def _placed(batches: Iterator[tuple], path: Any, ctx: Any, record: EpochRecord
         if ahead:
             yield current
         current = following
+
+
+def _empty_pass(stream: Any, feed: UnitFeed, start: Position) -> bool:
+    """samples_per_epoch: whether a whole pass over the keys gave nothing. Where every part
+    reads every shard (strides), only a pass whose shards all held no sample counts, which
+    every part sees alike: a part that turning strides left without a row this pass has its
+    turn in a later one. Dealt whole, this part's shards gave it no sample."""
+    assert feed.end is not None
+    if stream.deal != "shards" and stream.num_parts > 1:
+        return not any(feed.full_sizes.values())
+    return feed.end.taken == start.taken
 
 
 def _empty_reason(run: EpochRun, feed: UnitFeed, batch_size: int, last_batch: str) -> str:

@@ -22,12 +22,15 @@ __all__ = ["choose_deal", "even_count"]
 def choose_deal(even: bool | str, fixed_size: bool, sizes_known: bool, parts: int,
                 keys: int | None) -> tuple[str, str]:
     """(deal, why) for ``parts`` ranks: ``'shards'`` (each rank its own shards), ``'samples'``
-    (every rank an equal stride of every shard) or ``'strides'`` (every rank its stride, nothing
-    dropped). ``fixed_size``: ``samples_per_epoch`` is set; ``keys``: epoch 0's key count (None
-    for an endless iterator, which deals keys to every rank).
+    (every rank an equal stride of every shard), ``'strides'`` (every rank its stride, nothing
+    dropped) or ``'turns'`` (strides whose first row turns to the next rank from shard to shard
+    and pass to pass). ``fixed_size``: ``samples_per_epoch`` is set; ``keys``: epoch 0's key
+    count (None for an endless iterator, which deals keys to every rank).
 
-    * ``samples_per_epoch`` with fewer keys than ranks: strides (a rank dealt no key would read
-      no sample, pass after pass).
+    * ``samples_per_epoch`` with fewer keys than ranks: turning strides (a rank dealt no key
+      would read no sample, pass after pass; fixed strides starve the last ranks of shards
+      smaller than the rank count, while turning ones reach every rank within ``parts``
+      passes; every rank reads N samples an epoch either way).
     * even_batches with sizes unknown: strides (``'samples'`` for True: equal counts).
     * even_batches=True with fewer keys than ranks: equal strides (dealt whole, some rank has
       no shard, so every rank's count would be 0).
@@ -36,7 +39,7 @@ def choose_deal(even: bool | str, fixed_size: bool, sizes_known: bool, parts: in
     few = keys is not None and keys < parts
     if fixed_size:
         if few:
-            return "strides", (f"samples_per_epoch with {keys} key(s) on {parts} ranks (fewer "
+            return "turns", (f"samples_per_epoch with {keys} key(s) on {parts} ranks (fewer "
                                "keys than ranks)")
         return "shards", ""
     if even and not sizes_known:

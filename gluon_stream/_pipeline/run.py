@@ -400,7 +400,8 @@ class EpochRun:
                                          self.epoch)
                 self._fill(stream.prefetch)  # a prefetch just raised fills the window now
             stream.sizes.remember(key, stream.made_epoch(self.epoch, index), shard.full_size)
-            expected = stream.sizes.shard_size(key, self.epoch) if stream.sizes.declared(key) \
+            expected = stream.sizes.shard_size(key, self.epoch, index=index) \
+                if stream.sizes.declared(key) \
                 is not None and stream.remainder_of(self.epoch) is None else None
             if expected is not None and expected != len(shard):
                 logger.warning(

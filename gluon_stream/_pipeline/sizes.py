@@ -9,7 +9,7 @@ import numpy as np
 from .._utils import validate as _validate
 from ..sources import Source
 
-__all__ = ["DeclaredSizes", "ShardSizes", "part_count", "part_rows", "stride_of"]
+__all__ = ["DeclaredSizes", "ShardSizes", "part_count", "part_rows", "stride_of", "turn_of"]
 
 #: ``shard_sizes=``: ``{key: samples}``, ``fn(key) -> samples``, or one int for every shard.
 DeclaredSizes = Union[Mapping[Any, int], Callable[[Any], int], int, None]
@@ -19,9 +19,9 @@ KeysOf = Callable[..., "tuple[Iterator[Any], bool, list | None]"]
 def part_rows(rows: np.ndarray, parts: int, part: int, deal: str,
               before: int | None = None) -> np.ndarray:
     """The rows of a shard (``rows``, in the shard's order) that part ``part`` of ``parts``
-    reads: all of them when shards are dealt whole; its stride with ``'strides'``; the same
-    stride cut to ``len(rows) // parts`` with ``'samples'`` (equal counts on every part).
-    ``before``: see :func:`stride_of`."""
+    reads: all of them when shards are dealt whole; its stride with ``'strides'`` and
+    ``'turns'``; the same stride cut to ``len(rows) // parts`` with ``'samples'`` (equal counts
+    on every part). ``before``: see :func:`stride_of`."""
     if deal == "shards" or parts == 1:
         return rows
     out = rows[stride_of(part, parts, deal, before)::parts]
@@ -37,6 +37,14 @@ def part_count(full: int, parts: int, part: int, deal: str, before: int | None =
     return len(range(stride_of(part, parts, deal, before), full, parts))
 
 
+def turn_of(key_pass: int, index: int) -> int:
+    """``deal='turns'``: the part a shard's first row goes to (mod the part count), for the
+    shard at position ``index`` of pass ``key_pass`` over the keys. Every part reaches every
+    row position of every shard within ``parts`` passes, so a shard smaller than the part count
+    starves no part for good; known to every part alike, without any size."""
+    return key_pass + index
+
+
 def stride_of(part: int, parts: int, deal: str, before: int | None) -> int:
     """Which stride of a shard part ``part`` of ``parts`` takes (the first row it reads).
 
@@ -44,7 +52,9 @@ def stride_of(part: int, parts: int, deal: str, before: int | None) -> int:
     alike (None: not known). With ``'strides'`` the strides then go on from where the last
     shard's stopped (the first row goes to part ``before % parts``), so over any run of shards
     dealt this way the parts' counts differ by one at most; unknown, each shard's strides start
-    at part 0. ``'samples'`` cuts every stride to the same count: it never turns."""
+    at part 0. With ``'turns'``, ``before`` is the shard's turn (:func:`turn_of`), so the first
+    row goes to the next part from shard to shard and pass to pass. ``'samples'`` cuts every
+    stride to the same count: it never turns."""
     if before is None or deal == "samples":
         return part
     return (part - before) % parts
@@ -85,26 +95,28 @@ class ShardSizes:
         if not self.source.per_epoch:
             self._seen[(key, None)] = full_size
 
-    def part_share(self, full: int, part: int | None = None) -> int:
-        """Samples a part takes of a shard of ``full`` samples."""
+    def part_share(self, full: int, part: int | None = None, turn: int | None = None) -> int:
+        """Samples a part takes of a shard of ``full`` samples (``turn``: with
+        ``deal='turns'``, the shard's, see :func:`turn_of`)."""
         return part_count(full, self.num_parts, self.part_index if part is None else part,
-                          self.deal)
+                          self.deal, turn if self.deal == "turns" else None)
 
     def unit_share(self, epoch: int, index: int, full: int, part: int | None = None) -> int:
         """Samples a part takes of the shard at position ``index`` of ``epoch`` holding ``full``
         (a remainder's piece: its share of the rows left)."""
         remainder = self._remainder_of(epoch)
         if remainder is None or not remainder.is_piece(index):  # or an endless tail's key
-            return self.part_share(full, part)
+            return self.part_share(full, part, turn_of(epoch, index))
         return remainder.share(index, full, self.num_parts,
                                self.part_index if part is None else part, self.deal,
                                self.rows_before(epoch, index))
 
     def largest_share(self, epoch: int, index: int, full: int) -> int:
         """The most samples any part takes of the shard at position ``index`` of ``epoch``
-        holding ``full`` (part 0's, but for a remainder's pieces, whose strides turn)."""
+        holding ``full`` (part 0's, but for a remainder's pieces and ``deal='turns'``, whose
+        strides turn)."""
         remainder = self._remainder_of(epoch)
-        if remainder is None or not remainder.is_piece(index):
+        if (remainder is None or not remainder.is_piece(index)) and self.deal != "turns":
             return self.part_share(full, 0)
         return max(self.unit_share(epoch, index, full, p) for p in range(self.num_parts))
 
@@ -128,11 +140,13 @@ class ShardSizes:
             n = self.source.known_size(key, epoch)
         return n
 
-    def shard_size(self, key: Any, epoch: int, part: int | None = None) -> int | None:
-        """A part's samples of a shard after transform (this part's by default), if known
-        without producing it (see :meth:`full_size`)."""
+    def shard_size(self, key: Any, epoch: int, part: int | None = None,
+                   index: int = 0) -> int | None:
+        """A part's samples of a shard after transform (this part's by default; ``index``: its
+        position in the pass, for ``deal='turns'``), if known without producing it (see
+        :meth:`full_size`)."""
         full = self.full_size(key, epoch)
-        return None if full is None else self.part_share(full, part)
+        return None if full is None else self.part_share(full, part, turn_of(epoch, index))
 
     def full_size(self, key: Any, epoch: int) -> int | None:
         """A shard's samples after transform, before ranks take their parts, if known without
@@ -177,8 +191,8 @@ class ShardSizes:
         if not finite or keys is None:
             return None
         total = 0
-        for key in keys:
-            n = self.shard_size(key, epoch, part_index)
+        for index, key in enumerate(keys):
+            n = self.shard_size(key, epoch, part_index, index)
             if n is None:
                 return None
             total += n
