@@ -137,3 +137,25 @@ def test_epochs_go_on_in_the_same_run_so_no_shard_is_made_twice(kw):
         flat = [i for e in epochs(loader, 4) for b in e for i in b]
     assert len(flat) == len(set(flat)) == 40
     assert max(made.values()) == 1, made
+
+
+@pytest.mark.timeout(120)
+def test_an_endless_iterator_whose_keys_dealt_here_are_all_empty_is_an_error_not_a_hang():
+    """Issue 24 §3: endless keys dealt to 4 ranks, every key of rank 3 empty (a weekday
+    without data): rank 3 waited for a sample forever. It raises StreamError naming its part
+    and keys after EMPTY_SHARDS empty shards in a row; the other ranks read their epochs."""
+    from gluon_stream._pipeline.feed import EMPTY_SHARDS
+
+    def fn(key):
+        return np.arange(0 if key % 4 == 3 else 5, dtype=np.int64) + 100 * key
+
+    def loader(rank):
+        return gs.StreamLoader(gs.FunctionSource(itertools.count(), fn), batch_size=4,
+                               samples_per_epoch=8, num_parts=4, part_index=rank)
+
+    for rank in range(3):
+        ids = [i for b in loader(rank) for i in batch_ids(b)]
+        assert len(ids) == 8 and all((i // 100) % 4 == rank for i in ids)
+    with pytest.raises(gs.StreamError, match=rf"part 3 of 4: {EMPTY_SHARDS} shards in a row "
+                       r"\(keys 3 \.\. 255 of an endless key iterator"):
+        list(loader(3))

@@ -19,11 +19,17 @@ from typing import Any, Iterator
 import numpy as np
 
 from .batching import Batch, BatchPlanner, MixedUnit, Position, Segment, UnitPlan, WindowMixer
-from ..errors import LoaderClosed
+from ..errors import LoaderClosed, StreamError
 from ..records import EpochRecord
 from ..stream import EpochRun, Shard
 
-__all__ = ["Carry", "FeedState", "MixedData", "UnitFeed", "UnitSources", "WindowFeed"]
+__all__ = ["Carry", "EMPTY_SHARDS", "FeedState", "MixedData", "UnitFeed", "UnitSources",
+           "WindowFeed"]
+
+#: An endless key iterator: shards in a row that hold no sample for this part before it is an
+#: error. Its pass never ends, so without a bound a part whose dealt keys are all empty (every
+#: 7th date on 7 ranks: a weekday with no data) would wait for a sample forever.
+EMPTY_SHARDS = 64
 
 
 class Carry:
@@ -163,6 +169,7 @@ class UnitFeed:
         self.current: Shard | None = None  # the shard handed out last, if it may be pushed back
         self.names: tuple[str, ...] | None = None  # the arrays' names, where they have some
         self.state = FeedState.READING
+        self._empty: list[Any] = []  # an endless pass: the keys of the empty shards in a row
 
     def ready(self) -> bool:
         """Whether :meth:`next` would return without waiting for a shard to be produced."""
@@ -196,6 +203,28 @@ class UnitFeed:
         self.samples += len(shard)
         self.full_sizes[shard.index] = shard.full_size
         self.names = shard.names
+        if not self.run.finite:
+            self._check_empty(shard)
+
+    def _check_empty(self, shard: Shard) -> None:
+        """An endless pass: :data:`EMPTY_SHARDS` shards in a row with no sample for this part
+        raise StreamError, naming the keys, instead of waiting for a sample forever."""
+        if len(shard):
+            self._empty.clear()
+            return
+        self._empty.append(shard.key)
+        if len(self._empty) < EMPTY_SHARDS:
+            return
+        stream = self.run.stream
+        dealt = (f"; the iterator's keys are dealt to {stream.num_parts} ranks, every "
+                 f"{stream.num_parts}th to this one: are the keys dealt here always empty "
+                 "(dates of one weekday)? Leave them out of the iterator"
+                 if stream.num_parts > 1 else "")
+        raise StreamError(
+            f"part {stream.part_index} of {stream.num_parts}: {EMPTY_SHARDS} shards in a row "
+            f"(keys {self._empty[0]!r} .. {self._empty[-1]!r} of an endless key iterator, "
+            f"epoch {self.run.epoch}) held no sample for it, so its epoch can never fill"
+            f"{dealt}")
 
     def next(self) -> tuple[Any, UnitPlan] | None:
         if self.state is FeedState.ENDED:

@@ -55,6 +55,8 @@ class ShardMaker(Protocol):
     prefetch: int
     generate_ahead: int
     num_epochs: int | None
+    num_parts: int  # the ranks, and which one this stream is (for messages)
+    part_index: int
     error_policy: ErrorPolicy
     stats: Stats
     tuner: Tuner | None
