@@ -69,6 +69,7 @@ def _save_state(loader: StreamLoader, path: str) -> None:
     """Write ``loader.state_dict()`` to ``path`` (its rank's file in a job of several ranks) as
     JSON, atomically (temp file + rename)."""
     stream = loader.stream
+    base_path = path
     if stream.num_parts > 1:
         path = _rank_path(path, stream.part_index, stream.num_parts)
     text = json.dumps(loader.state_dict(), indent=1, sort_keys=True)
@@ -84,6 +85,34 @@ def _save_state(loader: StreamLoader, path: str) -> None:
         remove_if_exists(tmp)
         raise
     logger.debug("loader state saved to %s", path)
+    _drop_other_world_sizes(base_path, stream.num_parts)
+
+
+def _rank_files(path: str) -> dict[str, tuple[int, int]]:
+    """The rank state files beside the one-rank state file ``path``: name -> (rank, ranks)."""
+    stem = path[:-len(STATE_SUFFIX)]
+    pattern = re.compile(re.escape(stem) + r"\.rank(\d+)of(\d+)" + re.escape(STATE_SUFFIX) + "$")
+    found = {}
+    for name in glob.glob(glob.escape(stem) + ".rank*of*" + STATE_SUFFIX):
+        match = pattern.match(name)
+        if match:
+            found[name] = (int(match.group(1)), int(match.group(2)))
+    return found
+
+
+def _drop_other_world_sizes(path: str, parts: int) -> None:
+    """A checkpoint written again under the same name by a job of ``parts`` ranks (a resized
+    job reaching the same epoch and batch): the state files an earlier job of another size left
+    there would be merged with the new ones, or preferred to them; they go (every rank removes
+    them, whichever comes first)."""
+    stale = [name for name, (_, ranks) in _rank_files(path).items() if ranks != parts]
+    if parts > 1:
+        stale.append(path)
+    for name in stale:
+        if os.path.exists(name):
+            remove_if_exists(name)
+            logger.info("removed %s: a state of a job of another number of ranks, at the name "
+                        "this checkpoint is written again", name)
 
 
 def _saved_states(loader: StreamLoader, path: str) -> tuple[Any, str]:
@@ -91,13 +120,7 @@ def _saved_states(loader: StreamLoader, path: str) -> tuple[Any, str]:
     ``path``: its own rank's, or the merge of every rank's where the job had another number
     of ranks (and the files it was read from, for messages)."""
     stream = loader.stream
-    pattern = re.compile(re.escape(path[:-len(STATE_SUFFIX)]) + r"\.rank(\d+)of(\d+)"
-                         + re.escape(STATE_SUFFIX) + "$")
-    found = {}
-    for name in glob.glob(glob.escape(path[:-len(STATE_SUFFIX)]) + ".rank*of*" + STATE_SUFFIX):
-        match = pattern.match(name)
-        if match:
-            found[name] = (int(match.group(1)), int(match.group(2)))
+    found = _rank_files(path)
     if not found:
         state = _read_state(path)
         return (state if stream.num_parts == 1 else _merged([state], path)), path

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 import gluon_stream as gs
 import elastic_model as model
+from _helpers import batch_ids, id_shards
 
 pytestmark = pytest.mark.mxnet
 
@@ -370,6 +371,43 @@ def test_do_checkpoint_writes_every_rank_and_merges_on_another_world_size(tmp_pa
             gs.load_checkpoint(prefix, 1, new)
     finally:
         new.close()
+
+
+def test_a_checkpoint_name_written_again_by_another_world_size_resumes_from_the_new_states(
+        tmp_path):
+    """A resized job reaches the same epoch number and writes a checkpoint of the same name:
+    the state files the job of the other size left there went into the merge beside the new
+    ones ('rank 0 of 2 is duplicated' or states of two steps), or, on one rank, were merged in
+    place of its own file. Writing a checkpoint removes them; the resume reads the new ones."""
+    import mxnet as mx
+
+    def loader(parts, rank):
+        return gs.StreamLoader(gs.FunctionSource(range(6), id_shards([9] * 6)), batch_size=3,
+                               shuffle=True, seed=1, num_parts=parts, part_index=rank)
+
+    sym = mx.sym.FullyConnected(mx.sym.var("data"), num_hidden=1, name="fc")
+    params = {"fc_weight": mx.nd.ones((1, 1)), "fc_bias": mx.nd.zeros((1,))}
+    prefix = str(tmp_path / "net")
+    for parts, steps in ((2, 1), (3, 2), (1, 4)):  # each size writes epoch 1 at its own step
+        after = []
+        for rank in range(parts):
+            job = loader(parts, rank)
+            batches = iter(job)
+            for _ in range(steps):
+                next(batches)
+            gs.do_checkpoint(prefix, job)(0, sym, params, {})
+            after.append(batch_ids(next(batches)))
+            job.close()
+        names = sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".loader.json"))
+        assert names == ([f"net-0001.rank{r}of{parts}.loader.json" for r in range(parts)]
+                         if parts > 1 else ["net-0001.loader.json"])
+        for rank in range(parts):  # the same size resumes from its own, new state
+            again = loader(parts, rank)
+            try:
+                gs.load_checkpoint(prefix, 1, again)
+                assert batch_ids(next(iter(again))) == after[rank]
+            finally:
+                again.close()
 
 
 def test_states_saved_after_a_pass_resume_at_the_next_epoch_on_another_world_size(tmp_path):
