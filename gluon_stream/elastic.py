@@ -198,8 +198,11 @@ def _rank_spec(state: Mapping[str, Any], rank: int, epoch: int,
                 f"rank {rank}'s state is in epoch {state['epoch']}, another's in epoch {epoch}: "
                 "states from different steps; save every rank's state at the same step")
         return {"end": True, "unit": 0, "offset": 0, "carry": carry, "keys": None}
-    return {"end": state["end"], "unit": state["unit"], "offset": state["offset"],
-            "carry": carry, "keys": state.get("keys")}
+    out = {"end": state["end"], "unit": state["unit"], "offset": state["offset"],
+           "carry": carry, "keys": state.get("keys")}
+    if state.get("rows_before"):  # deal='balanced': which stride of each shard a rank takes
+        out["rows_before"] = state["rows_before"]
+    return out
 
 
 def _check_steps(states: list, first: Mapping[str, Any]) -> None:

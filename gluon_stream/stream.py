@@ -49,7 +49,7 @@ __all__ = ["EpochRun", "Prepare", "RunState", "Shard", "ShardStream"]
 
 logger = logging.getLogger(__name__)
 
-DEAL_MODES = ("shards", "samples", "strides", "turns")
+DEAL_MODES = ("shards", "samples", "strides", "turns", "balanced")
 
 def schema_of(arrays: Sequence[Any]) -> list[tuple[str, tuple]]:
     """(dtype, trailing shape) of each array: what must agree between shards to batch them."""
@@ -101,7 +101,10 @@ class ShardStream(Closing):
             sample per shard; ``even_batches='pad'`` evens them out with padding).
             ``'turns'``: the same strides, the first row turning to the next part from shard to
             shard and from pass to pass, so that shards smaller than the part count starve no
-            part (``samples_per_epoch`` with fewer keys than ranks).
+            part (``samples_per_epoch`` with fewer keys than ranks). ``'balanced'``: the same
+            strides going on from where the last shard's stopped (row ``i`` of a shard with
+            ``r`` rows before it in the epoch goes to part ``(r + i) % num_parts``), so the
+            parts' counts never differ by more than one (``even_batches=True`` without sizes).
         generate_ahead: With a ``cache_dir``, producers that would otherwise sit idle generate
             up to this many shards beyond the ``prefetch`` window into the cache (disk, not
             memory), in key order: a shard that takes long to generate no longer holds up the
@@ -375,10 +378,11 @@ class ShardStream(Closing):
         return remainder.pieces[index].epoch if remainder is not None \
             and remainder.is_piece(index) else epoch
 
-    def row_order(self, key: Any, epoch: int, length: int, index: int = -1
-                  ) -> np.ndarray | None:
+    def row_order(self, key: Any, epoch: int, length: int, index: int = -1,
+                  before: int | None = None) -> np.ndarray | None:
         """The rows of a shard this part reads, in order (None: all of them, as they are);
-        ``index``: its position in the epoch (a remainder's piece says which rows are left)."""
+        ``index``: its position in the epoch (a remainder's piece says which rows are left);
+        ``before``: ``deal='balanced'``, the rows of the epoch's shards before it."""
         remainder = self.remainder_of(epoch)
         if remainder is not None and remainder.is_piece(index):  # else: an endless tail's key
             made = remainder.pieces[index].epoch
@@ -389,8 +393,10 @@ class ShardStream(Closing):
         order = self.shard_order(key, epoch, length)
         if self.deal != "shards" and self.num_parts > 1:
             rows = np.arange(length) if order is None else order
-            order = part_rows(rows, self.num_parts, self.part_index, self.deal,
-                              turn_of(epoch, index) if self.deal == "turns" else None)
+            # an endless remainder's tail (keys after its pieces): equal strides, as its pieces
+            deal = "samples" if remainder is not None and self.deal == "balanced" else self.deal
+            order = part_rows(rows, self.num_parts, self.part_index, deal,
+                              turn_of(epoch, index) if deal == "turns" else before)
         return order
 
     def shard_order(self, key: Any, epoch: int, length: int) -> np.ndarray | None:
@@ -415,14 +421,16 @@ class ShardStream(Closing):
             run.cancel()
 
     def start_epoch(self, skip: int = 0, prepare: Prepare | None = None,
-                    skipped: Sequence[int] = (), reuse: "EpochRun | None" = None) -> "EpochRun":
+                    skipped: Sequence[int] = (), reuse: "EpochRun | None" = None,
+                    rows_before: int = 0) -> "EpochRun":
         """Begin producing the current epoch after ``skip`` shards; cancels any unfinished pass.
 
         ``skipped``: positions of shards that failed before (``on_error='skip'``, recorded in a
         resumed state): they count as skipped again without being produced, so a resume sees
         the epoch the interrupted pass saw. ``reuse``: a pass of this epoch that stopped at
         ``skip`` (an epoch of ``samples_per_epoch`` ended there): it goes on, with the shards it
-        produced ahead, instead of a new one.
+        produced ahead, instead of a new one. ``rows_before``: ``deal='balanced'``, the rows of
+        the epoch's shards before position ``skip`` (a resume's state holds them).
 
         ``prepare(arrays, order, what)``, if given, runs in the producer threads after the transform
         and returns the shard's arrays in ``order`` in the form the consumer wants; without it
@@ -447,11 +455,11 @@ class ShardStream(Closing):
             return ahead  # its first shards were produced while the last epoch ended
         if ahead is not None:
             ahead.cancel()
-        return self._new_run(epoch, skip, prepare, skipped)
+        return self._new_run(epoch, skip, prepare, skipped, rows_before)
 
     def _new_run(self, epoch: int, skip: int, prepare: Prepare | None,
-                 skipped: Sequence[int] = ()) -> "EpochRun":
-        run = EpochRun(self, epoch, skip, prepare, skipped)
+                 skipped: Sequence[int] = (), rows_before: int = 0) -> "EpochRun":
+        run = EpochRun(self, epoch, skip, prepare, skipped, rows_before)
         self._res.runs.add(run)
         return run
 
@@ -470,12 +478,13 @@ class ShardStream(Closing):
         return ahead
 
     def produce_now(self, key: Any, epoch: int, prepare: Prepare | None = None,
-                    index: int = -1, whole: bool = False) -> Shard:
+                    index: int = -1, whole: bool = False, before: int | None = None) -> Shard:
         """Produce one shard in the calling thread, exactly as the producers would (for resume;
         ``index``: its position in the epoch, where a remainder's piece is read; ``whole``:
-        every row, in the file's order, not this part's rows in its order)."""
+        every row, in the file's order, not this part's rows in its order; ``before``:
+        ``deal='balanced'``, the rows of the epoch's shards before it)."""
         self.check_open()
-        return self._make(key, epoch, index, None, prepare, whole)
+        return self._make(key, epoch, index, None, prepare, whole, before)
 
     def submit_shard(self, key: Any, epoch: int, index: int, run: EpochRun,
                      prepare: Prepare | None) -> cf.Future:
@@ -496,8 +505,13 @@ class ShardStream(Closing):
         if run is None:  # produce_now: in the caller's thread, outside the producers' count
             return self._make(key, epoch, index, run, prepare)
         generated_s = run.generated(index)  # made ahead into the cache: only loading is left
-        with self._res.throttle:
-            shard = self._make(key, epoch, index, run, prepare)
+        try:
+            with self._res.throttle:
+                shard = self._make(key, epoch, index, run, prepare)
+        except BaseException:
+            if run.offsets is not None:  # the shards after it stop waiting for its size
+                run.offsets.failed(index)
+            raise
         if generated_s and shard.record is not None:
             shard.record.generate_s += generated_s
             shard.record.cache_hit = False
@@ -519,7 +533,7 @@ class ShardStream(Closing):
             return seconds
 
     def _make(self, key: Any, epoch: int, index: int, run: "EpochRun | None",
-              prepare: Prepare | None, whole: bool = False) -> Shard:
+              prepare: Prepare | None, whole: bool = False, before: int | None = None) -> Shard:
         if run is not None and run.cancelled:
             raise LoaderClosed("epoch pass cancelled")
         lane = threading.current_thread().name
@@ -541,7 +555,9 @@ class ShardStream(Closing):
             arrays = normalize_arrays(value, what=f"transform output of shard {key!r}")
         full_size = len(arrays[0])
         nbytes = sum(int(getattr(a, "nbytes", 0)) for a in arrays)
-        order = None if whole else self.row_order(key, epoch, full_size, index)
+        if run is not None and run.offsets is not None:  # deal='balanced'
+            before = self._rows_before(run, index, full_size)
+        order = None if whole else self.row_order(key, epoch, full_size, index, before)
         if run is not None and run.cancelled:
             raise LoaderClosed("epoch pass cancelled")
         names = names_of(arrays)
@@ -559,6 +575,13 @@ class ShardStream(Closing):
         shard.record = ShardRecord(key, epoch, len(shard), raw.cache_hit, raw.generate_s,
                                    raw.load_s, t2 - t1, lane, source=raw.source, nbytes=nbytes)
         return shard
+
+    def _rows_before(self, run: "EpochRun", index: int, full_size: int) -> int:
+        """``deal='balanced'``: tell the run this shard's size and wait for the rows before
+        it, letting another producer work meanwhile (the shard it waits for may need one)."""
+        assert run.offsets is not None
+        with self._res.throttle.released():
+            return run.offsets.before(index, full_size, lambda: run.cancelled or self.closed)
 
     def check_schema(self, shard: Shard) -> None:
         """Raise :class:`~gluon_stream.SchemaMismatch` unless ``shard``'s arrays batch with the

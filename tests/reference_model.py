@@ -21,7 +21,10 @@ of features and interruptions and compare the batches exactly:
   ``even_batches='pad'`` instead keeps every sample: every part yields the largest part's count
   of batches, all of ``batch_size`` rows; a short last batch is padded with its own rows
   repeated, then the last batch is repeated as padding; ``pad`` counts the padding rows.
-  Without sizes, parts take strides of every shard whole (``deal='strides'``).
+  Without sizes, parts take strides of every shard whole (``deal='strides'``); with
+  ``even_batches=True`` the strides go on from where the last shard's stopped
+  (``deal='balanced'``: row ``i`` of a shard with ``r`` rows before it in the epoch goes to
+  part ``(r + i) % parts``), and every part yields the smallest part's full batches.
 * **samples_per_epoch=N.** A part's samples form one stream: the key list's pass 0 (shuffled
   from ``(seed, 0)``), then pass 1 (from ``(seed, 1)``), ... Epoch ``e`` reads samples
   ``e*N .. (e+1)*N - 1`` of it, batched as an epoch is (``'rollover'`` carries the tail into
@@ -99,7 +102,7 @@ def deal_for(even: Any, parts: int, sizes_known: bool, samples_per_epoch: Any,
     if samples_per_epoch is not None:
         return "turns" if few else "shards"
     if even and not sizes_known:
-        return "strides" if even == "pad" else "samples"
+        return "strides" if even == "pad" else "balanced"
     if even is True and few:
         return "samples"
     return "shards"
@@ -130,9 +133,12 @@ def borrowed(cfg: Config, epoch: int) -> list | None:
     return None
 
 
-def shard_rows(cfg: Config, epoch: int, part: int, key: Any, index: int = 0) -> list[int]:
+def shard_rows(cfg: Config, epoch: int, part: int, key: Any, index: int = 0,
+               before: int = 0) -> list[int]:
     """The rows of a shard one part reads, in order (``index``: its position in the pass;
-    ``deal='turns'``: the shard's first row goes to part ``(epoch + index) % parts``)."""
+    ``deal='turns'``: the shard's first row goes to part ``(epoch + index) % parts``;
+    ``before``: the rows of the epoch's shards before it; ``deal='balanced'``: its first row
+    goes to part ``before % parts``)."""
     size = cfg.sizes[key]
     rows = list(range(size))
     if cfg.shuffle and size > 1:
@@ -143,14 +149,27 @@ def shard_rows(cfg: Config, epoch: int, part: int, key: Any, index: int = 0) -> 
         rows = rows[part::cfg.num_parts]
     if cfg.deal == "turns" and cfg.num_parts > 1:
         rows = rows[(part - epoch - index) % cfg.num_parts::cfg.num_parts]
+    if cfg.deal == "balanced" and cfg.num_parts > 1:
+        rows = rows[(part - before) % cfg.num_parts::cfg.num_parts]
     return rows
+
+
+def rows_before(cfg: Config, epoch: int, part: int) -> list[int]:
+    """The rows of the epoch's shards before each of a part's shards (failing ones hold 0)."""
+    out, total = [], 0
+    for key in epoch_keys(cfg, epoch, part):
+        out.append(total)
+        total += 0 if key in cfg.failing else cfg.sizes[key]
+    return out
 
 
 def epoch_units(cfg: Config, epoch: int, part: int) -> list[list]:
     """An epoch's units for one part: lists of sample ids, read front to back."""
     shards = []
+    befores = rows_before(cfg, epoch, part)
     for index, key in enumerate(epoch_keys(cfg, epoch, part)):
-        rows = [] if key in cfg.failing else shard_rows(cfg, epoch, part, key, index)
+        rows = [] if key in cfg.failing else shard_rows(cfg, epoch, part, key, index,
+                                                        befores[index])
         shards.append([cfg.sample_id(key, r) for r in rows])
     k = cfg.shuffle_window
     if k == 1:
@@ -176,8 +195,11 @@ def part_total(cfg: Config, epoch: int, part: int) -> int:
     sizes = cfg.declared if cfg.declared is not None else {  # what the parts see
         key: 0 if key in cfg.failing else n for key, n in cfg.sizes.items()}
     total, parts = 0, cfg.num_parts
+    before = 0
     for index, key in enumerate(epoch_keys(cfg, epoch, part)):
         n = sizes[key]
+        if cfg.deal == "balanced" and parts > 1:
+            before, n = before + n, len(range((part - before) % parts, n, parts))
         if cfg.deal == "samples" and parts > 1:
             n //= parts
         elif cfg.deal == "strides" and parts > 1:

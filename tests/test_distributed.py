@@ -60,13 +60,13 @@ def test_even_batches_gives_every_part_the_same_number_of_full_batches(num_parts
                                      {"sample_transform": lambda ids, half: (ids, half)}])
 def test_even_batches_without_any_size_known(num_parts, options):
     """On-demand shards (a FunctionSource, no cache): every rank produces every shard and takes
-    its stride of each one's samples: equal counts, disjoint, losing fewer than num_parts
-    samples per shard."""
+    its stride of each one's samples, the strides going on from shard to shard: equal counts,
+    disjoint, losing fewer than num_parts samples in all and a batch per rank at most."""
     def part(rank, epoch):
         src = gs.FunctionSource(range(len(SIZES)), id_shards(SIZES))
         with gs.StreamLoader(src, batch_size=4, num_parts=num_parts, part_index=rank, seed=3,
                              even_batches=True, **options) as ld:
-            assert ld.stream.deal == "samples"
+            assert ld.stream.deal == "balanced"
             ld.set_epoch(epoch)
             return [batch_ids(b) for b in ld]
 
@@ -76,8 +76,8 @@ def test_even_batches_without_any_size_known(num_parts, options):
         assert all(len(b) == 4 for p in parts for b in p)  # ... all full
         flat = [i for p in parts for b in p for i in b]
         assert len(flat) == len(set(flat))  # disjoint
-        # each rank loses < num_parts samples per shard (its stride) and its short tail
-        assert len(flat) >= sum(SIZES) - (num_parts - 1) * len(SIZES) - num_parts * 3
+        # ranks hold sum // num_parts samples (and one more), each keeps all but its short tail
+        assert len(flat) >= sum(SIZES) - (num_parts - 1) - num_parts * 3
         assert set(flat) <= {1000 * k + i for k, n in enumerate(SIZES) for i in range(n)}
 
     assert part(0, 0) == part(0, 0)  # deterministic
@@ -100,7 +100,7 @@ def test_even_batches_without_sizes_resume_exactly_at_every_batch(rank):
             state = first.state_dict()
         with make() as second:
             second.load_state_dict(state)
-            assert second.stream.deal == "samples"
+            assert second.stream.deal == "balanced"
             assert head + [batch_ids(b) for b in second] == reference, f"cut at {cut}"
 
 
@@ -265,12 +265,12 @@ def test_lying_shard_sizes_keep_the_ranks_equal_every_epoch(caplog):
     assert "shard_sizes declares 5" in caplog.text
 
 
-def test_deal_samples_yields_only_full_batches():
+def test_deal_balanced_yields_only_full_batches():
     for rank in range(3):
         src = gs.FunctionSource(range(len(SIZES)), id_shards(SIZES))
         with gs.StreamLoader(src, batch_size=4, num_parts=3, part_index=rank, seed=3,
                              even_batches=True) as loader:
-            assert loader.stream.deal == "samples"
+            assert loader.stream.deal == "balanced"
             assert all(len(b) == 4 for b in (batch_ids(x) for x in loader))
 
 
@@ -336,12 +336,9 @@ def test_a_cache_filled_ahead_by_generate_counts_as_sizes_known(tmp_path):
     src = gs.CommandSource(keys, argv, cache_dir=other)
     with gs.StreamLoader(src, batch_size=4) as loader:
         list(loader)
-    assert [rank(r, other)[0] for r in range(3)] == ["samples"] * 3
+    assert [rank(r, other)[0] for r in range(3)] == ["balanced"] * 3
 
 
-@pytest.mark.xfail(strict=True, reason="issue 24 §4 (strides that balance) is not implemented: "
-                   "with sizes unknown each shard's strides start at rank 0 and the equal "
-                   "stride drops len(shard) % ranks rows of every shard")
 @pytest.mark.parametrize("sizes, batch_size", [([23] * 9, 6), ([23, 5, 17, 1, 30, 8, 2, 11], 4)])
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_even_batches_with_sizes_unknown_balances_the_strides(sizes, batch_size, shuffle):

@@ -47,7 +47,9 @@ class BatchCounts:
         counts by construction (``deal='samples'``, or one part): every full batch.
 
         With ``'pad'``: the largest part's batches, the last one short; None where that is
-        only known once the epoch's shards are seen (``deal='strides'``, or one part)."""
+        only known once the epoch's shards are seen (``deal='strides'``, or one part).
+        ``deal='balanced'`` without the sizes: None, the pass stops where every part can no
+        longer fill a batch (see :meth:`~gluon_stream._pipeline.run.EpochRun.reaches`)."""
         stream = self.stream
         if self.samples_per_epoch is not None:  # every part reads as many samples
             return None
@@ -57,6 +59,8 @@ class BatchCounts:
         if not self.even_batches or stream.deal == "samples" or stream.num_parts == 1:
             return None
         sizes = stream.sizes.part_sizes(epoch)
+        if sizes is None and stream.deal == "balanced":
+            return None
         if sizes is None:
             raise SizeUnknown(
                 f"even_batches=True needs every shard's size for epoch {epoch} on every rank: "

@@ -281,7 +281,7 @@ class EpochPass:
         skip = WindowMixer.first_shard(position.unit, k)
         run = stream.start_epoch(skip=skip, prepare=self.path.prepare,
                                  skipped=[j for e, j in start.skipped if e == position.epoch],
-                                 reuse=handover)
+                                 reuse=handover, rows_before=self._recorded_rows(skip))
         if settings.epoch_samples is not None:
             stream.forget_keys(position.epoch, skip)  # no later epoch starts before it
         planner = BatchPlanner(settings.batch_size, settings.last_batch, position,
@@ -313,6 +313,12 @@ class EpochPass:
         for planned, batch in batches:
             if even is not None and not even.admits(planned):
                 continue  # even_batches: only full batches
+            if even is not None and even.limit is None and run.offsets is not None and not \
+                    run.reaches((delivered + 1) * settings.batch_size * stream.num_parts):
+                # deal='balanced': every part holds rows // parts samples of the epoch or one
+                # more; this batch needs this part's one more, so no other part fills it
+                self._advance(self.state.position.ended(), delivered, run.skipped_at)
+                break
             pad = even.padding(planned) if even is not None else 0
             if pad:
                 batch = pad_rows(batch, settings.batch_size)
@@ -398,8 +404,51 @@ class EpochPass:
         skipped |= {(epoch, j) for j in skipped_at if j >= first.get(epoch, j + 1)}
         lead = 0 if position.end or even is None or not even.pad else \
             self._lead(WindowMixer.first_shard(position.unit, window))  # where a resume's run starts
+        rows = self._rows_of(first[epoch], max(u for e, u in needed if e == epoch)) \
+            if epoch in first else ()
         self.state = LoaderState(position, delivered, tuple(sorted(skipped)), repeat, number,
-                                 lead, self.start.stream_epoch)
+                                 lead, self.start.stream_epoch, rows)
+
+    def _rows_of(self, first: int, last: int) -> tuple[tuple[int, int], ...]:
+        """``deal='balanced'``: ``(position, rows before it)`` of the epoch's shards a resume
+        reads again or starts from (``first .. last``; see :attr:`LoaderState.rows_before`),
+        and of the shards before them that another rank, at the same step, may not have
+        finished: those whose rows before them are within ``num_parts * (2 * batch_size +
+        2)`` of the last one's (every rank at a step has read as many samples, give or take a
+        batch, and holds ``rows // num_parts`` of the rows read or one more), so that a merge
+        of every rank's state (:func:`gluon_stream.merge_states`) knows each shard's strides.
+        () for other deals."""
+        clock = getattr(self, "_clock", None)
+        run = clock.run if clock is not None else None
+        if run is None or run.offsets is None:
+            return ()
+
+        recorded = dict(self.start.rows_before)
+
+        def rows(unit: int) -> int | None:  # None: past the shards read (a window's units)
+            found = run.rows_before(unit)
+            return found if found is not None else recorded.get(unit)
+
+        known = [(unit, n) for unit in range(first, last + 1) if (n := rows(unit)) is not None]
+        if not known:
+            return ()
+        floor = known[-1][1] - self.stream.num_parts * (2 * self.settings.batch_size + 2)
+        while first > 0 and (n := rows(first - 1)) is not None and n >= floor:
+            first -= 1
+            known.insert(0, (first, n))
+        return tuple(known)
+
+    def _recorded_rows(self, unit: int) -> int:
+        """``deal='balanced'``: the rows before position ``unit`` of the epoch, as the state
+        this pass started from records them (0 at the epoch's start)."""
+        recorded = dict(self.start.rows_before)
+        if unit in recorded or not unit or self.stream.deal != "balanced" \
+                or self.stream.num_parts == 1 or self.stream.remainder_of(self.epoch) is not None:
+            return recorded.get(unit, 0)
+        raise InvalidState(
+            f"the state resumes epoch {self.epoch} at shard {unit}, but does not record the rows "
+            "of the shards before it, which decide the strides every rank takes "
+            "(even_batches=True, sizes unknown): save it again with this gluon_stream")
 
     def _lead(self, before: int) -> int:
         """even_batches='pad': the largest part's samples in the shards before position
@@ -511,7 +560,8 @@ class EpochPass:
         prepare = self.path.prepare
         if window == 1:
             key = keys[seg.unit] if keys is not None and seg.unit < len(keys) else seg.key
-            shard = stream.produce_now(key, seg.epoch, prepare, seg.unit)
+            shard = stream.produce_now(key, seg.epoch, prepare, seg.unit,
+                                       before=self._recorded_rows(seg.unit))
             if sources is not None:
                 sources.shard(seg.epoch, seg.unit, shard)
             return shard
@@ -523,7 +573,8 @@ class EpochPass:
         for j in range(mixer.first_shard(seg.unit, window), min(seg.unit + 1, len(keys))):
             if (seg.epoch, j) in skipped:  # failed before: an empty shard in the mix, as it was
                 continue
-            shards[j] = stream.produce_now(keys[j], seg.epoch, prepare, j)
+            shards[j] = stream.produce_now(keys[j], seg.epoch, prepare, j,
+                                           before=self._recorded_rows(j))
             units.extend(mixer.add(j, len(shards[j])))
         units.extend(mixer.finish())
         unit = next((u for u in units if u.index == seg.unit), None)

@@ -3,10 +3,11 @@ how many of them may work at once (``producers='auto'`` grows it)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import logging
 import threading
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 from .._utils.closing import CLOSE_WAIT_S, WAIT_SLICE_S, end_thread_pool
 from ..errors import LoaderClosed
@@ -43,6 +44,15 @@ class Throttle:
         with self._cond:
             self.running -= 1
             self._cond.notify()
+
+    @contextlib.contextmanager
+    def released(self) -> Iterator[None]:
+        """Give this producer's place to another while the block waits, then take one again."""
+        self.__exit__()
+        try:
+            yield
+        finally:
+            self.__enter__()
 
     def grow(self) -> bool:
         """Admit one more producer if the bound allows; whether it did."""

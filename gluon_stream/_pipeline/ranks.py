@@ -7,8 +7,8 @@ every rank taking its stride of every shard, and the counts every rank yields ar
 here from every part's samples, the same on every rank.
 
 Example:
-    >>> choose_deal(True, False, True, parts=3, keys=2)[0]
-    'samples'
+    >>> choose_deal(True, False, True, parts=3, keys=2)[0], choose_deal(True, False, False, 3, 9)[0]
+    ('samples', 'balanced')
     >>> even_count("pad", [5, 3, 0], 4), even_count(True, [5, 3, 0], 4)
     (2, 0)
 """
@@ -23,15 +23,17 @@ def choose_deal(even: bool | str, fixed_size: bool, sizes_known: bool, parts: in
                 keys: int | None) -> tuple[str, str]:
     """(deal, why) for ``parts`` ranks: ``'shards'`` (each rank its own shards), ``'samples'``
     (every rank an equal stride of every shard), ``'strides'`` (every rank its stride, nothing
-    dropped) or ``'turns'`` (strides whose first row turns to the next rank from shard to shard
-    and pass to pass). ``fixed_size``: ``samples_per_epoch`` is set; ``keys``: epoch 0's key
+    dropped), ``'turns'`` (strides whose first row turns to the next rank from shard to shard
+    and pass to pass) or ``'balanced'`` (strides that go on from where the last shard's
+    stopped, so the ranks' counts never differ by more than one). ``fixed_size``: ``samples_per_epoch`` is set; ``keys``: epoch 0's key
     count (None for an endless iterator, which deals keys to every rank).
 
     * ``samples_per_epoch`` with fewer keys than ranks: turning strides (a rank dealt no key
       would read no sample, pass after pass; fixed strides starve the last ranks of shards
       smaller than the rank count, while turning ones reach every rank within ``parts``
       passes; every rank reads N samples an epoch either way).
-    * even_batches with sizes unknown: strides (``'samples'`` for True: equal counts).
+    * even_batches with sizes unknown: strides (``'balanced'`` for True: every rank holds
+      ``total // parts`` samples or one more, and yields the batches the smallest holds).
     * even_batches=True with fewer keys than ranks: equal strides (dealt whole, some rank has
       no shard, so every rank's count would be 0).
     * otherwise shards; with ``'pad'`` a rank dealt no sample pads with another shard's rows.
@@ -43,7 +45,7 @@ def choose_deal(even: bool | str, fixed_size: bool, sizes_known: bool, parts: in
                                "keys than ranks)")
         return "shards", ""
     if even and not sizes_known:
-        return ("strides" if even == "pad" else "samples"), \
+        return ("strides" if even == "pad" else "balanced"), \
             f"even_batches={even!r} with shard sizes unknown"
     if even is True and few:
         return "samples", f"even_batches=True with {keys} shard(s) on {parts} ranks"

@@ -61,8 +61,9 @@ _GONE = object()
 
 def remainder_deal(deal: str) -> str:
     """How the ranks split every piece of a remainder: their strides, cut to equal counts
-    where the loader's deal is (``'samples'``: even_batches=True without sizes)."""
-    return "samples" if deal == "samples" else "strides"
+    where the loader's deal is (``'samples'``, and ``'balanced'``: even_batches=True without
+    sizes)."""
+    return "samples" if deal in ("samples", "balanced") else "strides"
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,10 @@ def resolve(spec: Mapping[str, Any], keys_of: KeysOf,
     prior = resolve(spec["prior"], keys_of, endless_of, drawn) if spec.get("prior") else None
     # which stride of each of its pieces a rank read (saved with its state: see stride_of)
     turns = spec["prior"].get("turns") if prior is not None else None
+    # deal='balanced': the rows before the shards the ranks stood in, which turn their strides
+    # (a shard none of them reached: every rank's own stride, which together are all its rows)
+    before = {int(u): int(n) for saved in spec["ranks"]
+              for u, n in saved.get("rows_before", ())}
     lists: dict[tuple[int, int], list] = {}
     tail_start = 0
     if endless:  # each old rank's keys as far as any rank got, then the tail
@@ -213,6 +218,9 @@ def resolve(spec: Mapping[str, Any], keys_of: KeysOf,
             turn = stride_of(rank, parts, remainder_deal(deal), turns[unit] if turns else None)
             return (item.epoch, item.key), Take(item, parts, turn, remainder_deal(deal),
                                                 start, stop)
+        if deal == "balanced" and parts > 1:
+            return (e, item), Take(None, parts, stride_of(rank, parts, deal, before.get(unit)),
+                                   "strides", start, stop)
         return (e, item), Take(None, parts, rank, deal, start, stop)
 
     per_rank: list[list[tuple[tuple, Take]]] = []

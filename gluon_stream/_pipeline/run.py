@@ -19,6 +19,7 @@ from .._utils.closing import WAIT_SLICE_S
 from .._utils.retry import ErrorPolicy, is_permanent
 from ..errors import LoaderClosed, add_note
 from ..records import ShardRecord
+from .offsets import Deferred, RowOffsets
 from .shard import Prepare, Shard
 
 if TYPE_CHECKING:
@@ -55,8 +56,9 @@ class ShardMaker(Protocol):
     prefetch: int
     generate_ahead: int
     num_epochs: int | None
-    num_parts: int  # the ranks, and which one this stream is (for messages)
+    num_parts: int  # the ranks, and which one this stream is
     part_index: int
+    deal: str  # how the ranks split an epoch (see ShardStream)
     error_policy: ErrorPolicy
     stats: Stats
     tuner: Tuner | None
@@ -127,10 +129,13 @@ class EpochRun:
             not yet handed out); None: ``prefetch + 1``. A consumer that keeps several shards
             it was handed (a shuffle window) lowers it, so that what it holds and what is in
             flight stay within its budget; at least 1, so production always overlaps.
+        offsets: ``deal='balanced'``: the rows before each shard, as the producers learn
+            them (``rows_before``: those before position ``skip``, on a resume); else None.
     """
 
     def __init__(self, stream: ShardMaker, epoch: int, skip: int = 0,
-                 prepare: Prepare | None = None, skipped: Sequence[int] = ()) -> None:
+                 prepare: Prepare | None = None, skipped: Sequence[int] = (),
+                 rows_before: int = 0) -> None:
         self.stream = stream
         self.epoch = epoch
         self.prepare = prepare
@@ -149,6 +154,8 @@ class EpochRun:
         self._handed = False  # a shard was handed out: the consumer holds one (see _window)
         self._lookahead: collections.deque = collections.deque()  # (key, index) drawn early
         self._ahead: dict[int, cf.Future] = {}  # index -> generation into the cache
+        self.offsets = RowOffsets(skip, rows_before) if stream.deal == "balanced" \
+            and stream.num_parts > 1 and stream.remainder_of(epoch) is None else None
         # the consumer fills the window; producers finishing a shard start generations ahead
         self._lock = threading.RLock()
 
@@ -275,8 +282,8 @@ class EpochRun:
         with self._lock:
             self._fill_locked(depth, ahead)
 
-    def _fill_locked(self, depth: int, ahead: bool) -> None:
-        if self.max_pending is not None:
+    def _fill_locked(self, depth: int, ahead: bool, capped: bool = True) -> None:
+        if self.max_pending is not None and capped:
             depth = min(depth, max(1, self.max_pending))
         while len(self.pending) < depth and not self.exhausted:
             nxt = self._next_key()
@@ -290,6 +297,8 @@ class EpochRun:
                              self.epoch)
                 self.skipped += 1
                 self.skipped_at.append(index)
+                if self.offsets is not None:
+                    self.offsets.tell(index, 0)
             else:
                 self.pending.append((key, index, self._submit(key, index)))
         if ahead and self.exhausted and self.finite and len(self.pending) < depth \
@@ -375,6 +384,9 @@ class EpochRun:
                 stream.check_schema(shard)
             except (LoaderClosed, KeyboardInterrupt, cf.CancelledError):
                 raise
+            except Deferred:  # it waited for a shard before it that failed, and is made again
+                fut = self._submit(key, index)
+                continue
             except Exception as exc:
                 summary = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 if policy.mode == "retry" and attempts < policy.retries and not is_permanent(exc):
@@ -389,6 +401,8 @@ class EpochRun:
                     logger.debug("shard %r failure in full: %s", key, exc)
                     self.skipped += 1
                     self.skipped_at.append(index)
+                    if self.offsets is not None:
+                        self.offsets.tell(index, 0)
                     stream.stats.add_shard(ShardRecord(key, self.epoch,
                                                        error=f"{type(exc).__name__}: {exc}"))
                     return None
@@ -402,7 +416,8 @@ class EpochRun:
                                          self.epoch)
                 self._fill(stream.prefetch)  # a prefetch just raised fills the window now
             stream.sizes.remember(key, stream.made_epoch(self.epoch, index), shard.full_size)
-            expected = stream.sizes.shard_size(key, self.epoch, index=index) \
+            expected = stream.sizes.shard_size(key, self.epoch, index=index,
+                                               before=self.rows_before(index)) \
                 if stream.sizes.declared(key) \
                 is not None and stream.remainder_of(self.epoch) is None else None
             if expected is not None and expected != len(shard):
@@ -436,9 +451,42 @@ class EpochRun:
                 raise LoaderClosed("this epoch pass was cancelled")
         return fut.result()
 
+    def rows_before(self, index: int) -> int | None:
+        """``deal='balanced'``: the rows of the epoch's shards before position ``index``,
+        where known (None: not yet, or another deal)."""
+        offsets = self.offsets
+        return offsets.before_known(index) if offsets is not None else None
+
+    def reaches(self, rows: int) -> bool:
+        """``deal='balanced'``: whether the epoch's shards hold ``rows`` rows or more, counted
+        in order as far as their sizes are known. Waits for the sizes after those known
+        (submitting the next shards if none is in flight); False once every shard is known
+        and they hold fewer. A shard that failed where the count stands ends the wait (True):
+        the consumer meets it and applies the error policy, so the count never waits on it."""
+        offsets = self.offsets
+        assert offsets is not None
+        while offsets.known < rows:
+            with self._lock:
+                frontier = offsets.frontier
+                if self.exhausted and frontier >= self.index:
+                    return False
+                futs = [fut for _, index, fut in self.pending if index == frontier]
+                if frontier >= self.index:  # not submitted: the window holds only known ones
+                    self._fill_locked(len(self.pending) + 1, ahead=False, capped=False)
+            if futs and futs[0].done() and not futs[0].cancelled() \
+                    and futs[0].exception() is not None:
+                return True
+            self.stream.check_open()
+            if self.cancelled:
+                raise LoaderClosed("this epoch pass was cancelled")
+            offsets.wait_change(WAIT_SLICE_S)
+        return True
+
     def cancel(self) -> None:
         """Drop queued work; running producers finish (populating caches) and are ignored."""
         self._advance(RunState.CANCELLED)
+        if self.offsets is not None:
+            self.offsets.close()
         with self._lock:
             while self.pending:
                 _, _, fut = self.pending.popleft()

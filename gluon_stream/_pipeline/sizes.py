@@ -19,8 +19,8 @@ KeysOf = Callable[..., "tuple[Iterator[Any], bool, list | None]"]
 def part_rows(rows: np.ndarray, parts: int, part: int, deal: str,
               before: int | None = None) -> np.ndarray:
     """The rows of a shard (``rows``, in the shard's order) that part ``part`` of ``parts``
-    reads: all of them when shards are dealt whole; its stride with ``'strides'`` and
-    ``'turns'``; the same stride cut to ``len(rows) // parts`` with ``'samples'`` (equal counts
+    reads: all of them when shards are dealt whole; its stride with ``'strides'``, ``'turns'``
+    and ``'balanced'``; the same stride cut to ``len(rows) // parts`` with ``'samples'`` (equal counts
     on every part). ``before``: see :func:`stride_of`."""
     if deal == "shards" or parts == 1:
         return rows
@@ -53,7 +53,9 @@ def stride_of(part: int, parts: int, deal: str, before: int | None) -> int:
     shard's stopped (the first row goes to part ``before % parts``), so over any run of shards
     dealt this way the parts' counts differ by one at most; unknown, each shard's strides start
     at part 0. With ``'turns'``, ``before`` is the shard's turn (:func:`turn_of`), so the first
-    row goes to the next part from shard to shard and pass to pass. ``'samples'`` cuts every
+    row goes to the next part from shard to shard and pass to pass. ``'balanced'`` always
+    turns by the rows before (every part knows them: it reads every shard of the epoch).
+    ``'samples'`` cuts every
     stride to the same count: it never turns."""
     if before is None or deal == "samples":
         return part
@@ -97,16 +99,21 @@ class ShardSizes:
 
     def part_share(self, full: int, part: int | None = None, turn: int | None = None) -> int:
         """Samples a part takes of a shard of ``full`` samples (``turn``: with
-        ``deal='turns'``, the shard's, see :func:`turn_of`)."""
+        ``deal='turns'`` the shard's, see :func:`turn_of`; with ``'balanced'`` the rows
+        before it in the epoch)."""
         return part_count(full, self.num_parts, self.part_index if part is None else part,
-                          self.deal, turn if self.deal == "turns" else None)
+                          self.deal, turn if self.deal in ("turns", "balanced") else None)
 
     def unit_share(self, epoch: int, index: int, full: int, part: int | None = None) -> int:
         """Samples a part takes of the shard at position ``index`` of ``epoch`` holding ``full``
         (a remainder's piece: its share of the rows left)."""
         remainder = self._remainder_of(epoch)
-        if remainder is None or not remainder.is_piece(index):  # or an endless tail's key
-            return self.part_share(full, part, turn_of(epoch, index))
+        if remainder is not None and not remainder.is_piece(index) and self.deal == "balanced":
+            return part_count(full, self.num_parts,  # an endless tail's key: as its pieces
+                              self.part_index if part is None else part, "samples")
+        if remainder is None or not remainder.is_piece(index):
+            return self.part_share(full, part,
+                                   turn_of(epoch, index) if self.deal == "turns" else None)
         return remainder.share(index, full, self.num_parts,
                                self.part_index if part is None else part, self.deal,
                                self.rows_before(epoch, index))
@@ -140,13 +147,16 @@ class ShardSizes:
             n = self.source.known_size(key, epoch)
         return n
 
-    def shard_size(self, key: Any, epoch: int, part: int | None = None,
-                   index: int = 0) -> int | None:
+    def shard_size(self, key: Any, epoch: int, part: int | None = None, index: int = 0,
+                   before: int | None = None) -> int | None:
         """A part's samples of a shard after transform (this part's by default; ``index``: its
-        position in the pass, for ``deal='turns'``), if known without producing it (see
-        :meth:`full_size`)."""
+        position in the pass, for ``deal='turns'``; ``before``: the rows before it, for
+        ``'balanced'``), if known without producing it (see :meth:`full_size`)."""
         full = self.full_size(key, epoch)
-        return None if full is None else self.part_share(full, part, turn_of(epoch, index))
+        if full is None:
+            return None
+        return self.part_share(full, part, before if self.deal == "balanced"
+                               else turn_of(epoch, index))
 
     def full_size(self, key: Any, epoch: int) -> int | None:
         """A shard's samples after transform, before ranks take their parts, if known without
@@ -190,12 +200,14 @@ class ShardSizes:
         _, finite, keys = self._keys_of(epoch, part_index)
         if not finite or keys is None:
             return None
-        total = 0
+        total = before = 0
         for index, key in enumerate(keys):
-            n = self.shard_size(key, epoch, part_index, index)
-            if n is None:
+            full = self.full_size(key, epoch)
+            if full is None:
                 return None
-            total += n
+            turn = before if self.deal == "balanced" else turn_of(epoch, index)
+            total += self.part_share(full, part_index, turn)
+            before += full
         return total
 
     def part_sizes(self, epoch: int) -> list[int] | None:

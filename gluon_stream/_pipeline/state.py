@@ -26,7 +26,8 @@ __all__ = ["STATE_VERSION", "LoaderState", "checksum", "decode_state", "encode_s
 STATE_VERSION = 3
 _JSON_KEY = (str, int, float)
 _FIELDS = {"version", "epoch", "end", "unit", "offset", "batches", "carry", "skipped",
-           "settings", "digest"}  # and, where they apply, "repeat", "lead", "keys", "drawn"
+           "settings", "digest"}  # and, where they apply, "repeat", "lead", "keys", "drawn",
+# "rows_before"
 
 #: ``epoch_keys(epoch)``: an epoch's shard order for this part (None: an endless iterator).
 EpochKeys = Callable[[int], "Sequence[Any] | None"]
@@ -52,6 +53,9 @@ class LoaderState:
             shards before the position's, which the batch count every part yields needs.
         stream_epoch: ``samples_per_epoch``: the loader's epoch, while the position's epoch
             is the pass over the keys it reads (None: the two are one).
+        rows_before: ``deal='balanced'``: ``(position, rows)`` for each shard of the epoch a
+            resume reads again or starts from: the rows of the shards before it, which decide
+            the strides a part takes of it (a resume does not read those shards again).
     """
 
     position: Position
@@ -61,6 +65,7 @@ class LoaderState:
     repeat_number: int = 0
     lead: int = 0
     stream_epoch: int | None = None
+    rows_before: tuple[tuple[int, int], ...] = ()
 
     @property
     def epoch(self) -> int:
@@ -110,6 +115,8 @@ def encode_state(state: LoaderState, settings: Mapping[str, Any],
         out["repeat"] = {"batch": state.repeat_number, "segments": _segments(state.repeat)}
     if state.lead:
         out["lead"] = state.lead
+    if state.rows_before:
+        out["rows_before"] = [[unit, rows] for unit, rows in state.rows_before]
     if state.stream_epoch is not None:  # samples_per_epoch
         out["pass"], out["taken"] = position.epoch, position.taken
     if epoch_keys is not None:
@@ -176,13 +183,15 @@ def decode_state(state: Any, settings: Mapping[str, Any], batch_size: int,
         repeat, number = _repeat(state["repeat"], epoch, batch_size, delivered,
                                  settings.get("even_batches") == "pad")
     lead = _int(state, "lead") if "lead" in state else 0
+    rows_before = _rows_before(state.get("rows_before", []))
     keys = epoch_keys(epoch)
     _check_keys(state, epoch, position.unit, keys)
     for segment in position.carry + repeat:
         _check_segment_key(segment, epoch_keys(segment.epoch) if segment.epoch != epoch else keys)
     if keys is None and key_at is not None:
         _check_drawn(state, epoch, position.unit, key_at)
-    return LoaderState(position, delivered, skipped, repeat, number, lead, stream_epoch)
+    return LoaderState(position, delivered, skipped, repeat, number, lead, stream_epoch,
+                       rows_before)
 
 
 def _check_checksum(state: Mapping[str, Any]) -> None:
@@ -223,6 +232,15 @@ def _positions(values: Any, epoch: int) -> tuple[tuple[int, int], ...]:
     if any(e > epoch for e, _ in out):
         raise InvalidState(f"state field 'skipped' names an epoch after the state's {epoch}")
     return out
+
+
+def _rows_before(values: Any) -> tuple[tuple[int, int], ...]:
+    if not isinstance(values, (list, tuple)) or not all(
+            isinstance(v, (list, tuple)) and len(v) == 2 for v in values):
+        raise InvalidState(f"state field 'rows_before' must be a list of [shard position, "
+                           f"rows], got {values!r}")
+    return tuple((_int({"rows_before": u}, "rows_before"), _int({"rows_before": n}, "rows_before"))
+                 for u, n in values)
 
 
 def _repeat(value: Any, epoch: int, batch_size: int, delivered: int, padded: bool
