@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import types
 
 import numpy as np
@@ -407,3 +408,34 @@ def test_samples_per_epoch_with_shards_smaller_than_the_ranks_reaches_every_rank
         assert all(len(b) == 2 and set(b) <= ids for e in epochs for b in e), rank
     # over 4 passes every rank reads every row position of every shard: the union is all rows
     assert {i for e in outs for ep in e for b in ep for i in b} == ids
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("producers", [1, 2])
+def test_balanced_strides_with_a_shard_that_fails_once_and_is_retried(producers):
+    """deal='balanced': a producer waits for the sizes of the shards before its own. A shard
+    that fails once (on_error=('retry', 1)) is made again only when the loop reaches it, after
+    the shards behind it already wait for its size: they give up (Deferred) and are made again
+    after it, never holding the producers it needs. The batches are those of a run without
+    the failure, on every rank."""
+    sizes = [7, 5, 9, 4, 6]
+
+    def batches(rank, fail):
+        failed = set()
+
+        def fn(key):
+            if fail and key == 1 and key not in failed:
+                time.sleep(0.1)  # the shards after it are made meanwhile, and wait for it
+                failed.add(key)
+                raise RuntimeError("a flaky generator")
+            return id_shards(sizes)(key)
+
+        with gs.StreamLoader(gs.FunctionSource(range(5), fn), batch_size=3, num_parts=2,
+                             part_index=rank, seed=5, shuffle=True, even_batches=True,
+                             producers=producers, on_error=("retry", 1)) as loader:
+            assert loader.stream.deal == "balanced"
+            return [batch_ids(b) for b in loader]
+
+    clean = [batches(r, False) for r in range(2)]
+    assert [batches(r, True) for r in range(2)] == clean
+    assert len(clean[0]) == len(clean[1]) == 31 // 2 // 3  # 15 samples a rank: 5 batches

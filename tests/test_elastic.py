@@ -166,6 +166,10 @@ def configs(draw):
                           (2, 3, 4), (1, 2), endless=True))
 @example(cfg=model.Config((10, 13, 16), False, 0, "pad", "keep", False, (1, 4, 2), (3, 2, 5),
                           (3, 2), endless=True))
+@example(cfg=model.Config((1, 1, 1, 1, 1, 1, 1, 2, 3, 1, 1), False, 0, True, "keep", False,
+                          (3, 2, 3), (1, 2, 1), (2, 1)))  # balanced strides of tiny shards:
+@example(cfg=model.Config((1, 2, 1, 1, 3, 1, 1, 1, 2, 1), True, 4, True, "discard", False,
+                          (4, 3, 2), (1, 1, 2), (1, 2)))  # ranks at a step stand shards apart
 def test_resized_twice_every_sample_once(cfg):
     event("endless keys" if cfg.endless else "a key list")  # --hypothesis-show-statistics
     check(cfg)
