@@ -7,6 +7,7 @@ In the order data flows through them:
 * ``producers``: the producer threads of a :class:`~gluon_stream.ShardStream` and their throttle;
 * ``shard``: one ready shard, and the ``prepare`` step that puts its arrays in the consumer's form;
 * ``run``: one pass's window of shards, handed out in order, and the stream's side it drives;
+* ``offsets``: the rows before each shard of a pass, as producers learn them (balanced strides);
 * ``feed``: an epoch's shards as the units the planner cuts (one shard, or a window);
 * ``batching``: which samples form which batch, the carry, where a resume starts (pure Python);
 * ``batch_paths``: planned batches into data (slices of a shard, or per-sample work);
