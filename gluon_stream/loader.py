@@ -114,8 +114,10 @@ class StreamLoader(Closing):
             batches; with every shard's size known ahead (``shard_sizes=``, ``FileSource``
             headers, a cache filled by ``gluon-stream generate``) the shards are dealt to the
             parts and each yields the smallest part's count; otherwise every rank produces
-            every shard and takes its stride of each one's samples (``deal='samples'``: equal
-            counts with no size known; pair it with a shared ``cache_dir``). ``'pad'`` (for
+            every shard and takes its stride of each one's samples, the strides going on from
+            shard to shard (``deal='balanced'``: every part holds the epoch's samples
+            ``// num_parts`` or one more, with no size known; pair it with a shared
+            ``cache_dir``). ``'pad'`` (for
             exact evaluation): every sample of the epoch once among the parts' real rows; every
             part yields the largest part's count of batches of ``batch_size`` rows, the last
             ones padded at their end (:attr:`pad` says how many rows are padding).

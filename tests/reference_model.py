@@ -104,7 +104,7 @@ def deal_for(even: Any, parts: int, sizes_known: bool, samples_per_epoch: Any,
     if even and not sizes_known:
         return "strides" if even == "pad" else "balanced"
     if even is True and few:
-        return "samples"
+        return "balanced"
     return "shards"
 
 

@@ -163,8 +163,9 @@ def test_the_deal_gives_every_part_a_share_or_equal_counts(sizes, parts, even, k
                                                            batch_size, seed):
     """Whatever the topology, the deal chosen from what every rank knows alike leaves no rank
     behind: with fewer keys than ranks no rank is dealt nothing where that would stop it
-    (samples_per_epoch, even_batches=True); even_batches=True's strides are equal on every
-    part; the counts every part yields come from every part's samples, the same on all."""
+    (samples_per_epoch, even_batches=True); even_batches=True's strides are balanced (the
+    parts' totals differ by one at most); the counts every part yields come from every part's
+    samples, the same on all."""
     import random
 
     from gluon_stream._pipeline.ranks import choose_deal, even_count
@@ -179,12 +180,15 @@ def test_the_deal_gives_every_part_a_share_or_equal_counts(sizes, parts, even, k
         random.Random(seed).shuffle(order)
         totals = [sum(sizes[k] for k in order[p::parts]) for p in range(parts)]
     else:
-        totals = [sum(part_count(n, parts, p, deal) for n in sizes)
-                  for p in range(parts)]
+        befores = [sum(sizes[:j]) if deal == "balanced" else j for j in range(len(sizes))]
+        totals = [sum(part_count(n, parts, p, deal, before if deal != "strides" else None)
+                      for n, before in zip(sizes, befores)) for p in range(parts)]
         if deal == "samples":
             assert len(set(totals)) == 1  # equal by construction, nothing known ahead
         else:
             assert sum(totals) == sum(sizes)  # strides drop nothing
+        if deal == "balanced":
+            assert max(totals) - min(totals) <= 1  # they go on from shard to shard
     if even == "pad":
         count = even_count("pad", totals, batch_size)
         assert count * batch_size >= max(totals) > (count - 1) * batch_size or count == 0

@@ -297,7 +297,7 @@ def test_any_configuration_resumed_anywhere_matches_the_model(cfg, epochs, path,
         event("fewer keys than ranks")
     for name, on in [("path=" + path, True), ("window", cfg.shuffle_window > 1),
                      ("skip", bool(cfg.failing)), ("even", cfg.even_batches),
-                     ("parts", cfg.num_parts > 1), ("deal=samples", cfg.deal == "samples"),
+                     ("parts", cfg.num_parts > 1), ("deal=" + cfg.deal, cfg.deal != "shards"),
                      ("samples_per_epoch", cfg.samples_per_epoch is not None),
                      (f"resumed x{len(cuts)}", True), ("rollover", cfg.last_batch == "rollover")]:
         if on:

@@ -7,8 +7,8 @@ every rank taking its stride of every shard, and the counts every rank yields ar
 here from every part's samples, the same on every rank.
 
 Example:
-    >>> choose_deal(True, False, True, parts=3, keys=2)[0], choose_deal(True, False, False, 3, 9)[0]
-    ('samples', 'balanced')
+    >>> choose_deal(True, False, True, parts=3, keys=2)[0], choose_deal(True, False, True, 3, 9)[0]
+    ('balanced', 'shards')
     >>> even_count("pad", [5, 3, 0], 4), even_count(True, [5, 3, 0], 4)
     (2, 0)
 """
@@ -34,8 +34,8 @@ def choose_deal(even: bool | str, fixed_size: bool, sizes_known: bool, parts: in
       passes; every rank reads N samples an epoch either way).
     * even_batches with sizes unknown: strides (``'balanced'`` for True: every rank holds
       ``total // parts`` samples or one more, and yields the batches the smallest holds).
-    * even_batches=True with fewer keys than ranks: equal strides (dealt whole, some rank has
-      no shard, so every rank's count would be 0).
+    * even_batches=True with fewer keys than ranks: balanced strides (dealt whole, some rank
+      has no shard, so every rank's count would be 0).
     * otherwise shards; with ``'pad'`` a rank dealt no sample pads with another shard's rows.
     """
     few = keys is not None and keys < parts
@@ -48,7 +48,7 @@ def choose_deal(even: bool | str, fixed_size: bool, sizes_known: bool, parts: in
         return ("strides" if even == "pad" else "balanced"), \
             f"even_batches={even!r} with shard sizes unknown"
     if even is True and few:
-        return "samples", f"even_batches=True with {keys} shard(s) on {parts} ranks"
+        return "balanced", f"even_batches=True with {keys} shard(s) on {parts} ranks"
     return "shards", ""
 
 
