@@ -272,11 +272,20 @@ class EpochRun:
                          type(exc).__name__, exc)
             return None
 
-    def _submit(self, key: Any, index: int) -> cf.Future:
+    def _submit(self, key: Any, index: int, watch: bool = True) -> cf.Future:
+        """Submit shard ``index``; with ``watch``, its producer starts generations ahead once
+        it is done (see :meth:`_watch`)."""
         fut = self.stream.submit_shard(key, self.epoch, index, self, self.prepare)
+        if watch:
+            self._watch(fut)
+        return fut
+
+    def _watch(self, fut: cf.Future) -> None:
+        """Start generations ahead when ``fut``'s producer is done. A future already done runs
+        it at once, in this thread: so the window's shards are submitted (and in ``pending``)
+        first, or the generation ahead would take the window's next key for its own."""
         if self.stream.generate_ahead:
             fut.add_done_callback(self._generate_ahead)
-        return fut
 
     def _fill(self, depth: int, ahead: bool = True) -> None:
         with self._lock:
@@ -285,6 +294,7 @@ class EpochRun:
     def _fill_locked(self, depth: int, ahead: bool, capped: bool = True) -> None:
         if self.max_pending is not None and capped:
             depth = min(depth, max(1, self.max_pending))
+        submitted = []
         while len(self.pending) < depth and not self.exhausted:
             nxt = self._next_key()
             if nxt is _END:
@@ -300,7 +310,10 @@ class EpochRun:
                 if self.offsets is not None:
                     self.offsets.tell(index, 0)
             else:
-                self.pending.append((key, index, self._submit(key, index)))
+                submitted.append(self._submit(key, index, watch=False))
+                self.pending.append((key, index, submitted[-1]))
+        for fut in submitted:  # the window is filled: generations ahead come after it
+            self._watch(fut)
         if ahead and self.exhausted and self.finite and len(self.pending) < depth \
                 and not self.cancelled and not self._last_epoch():
             # the window has room: start on the next epoch (the one set_epoch(e + 1) or the
