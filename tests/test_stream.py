@@ -142,7 +142,6 @@ def test_fixed_producers_and_bad_values():
 def _straggling_source(tmp_path, made, slow_key=1, waits_for=4):
     """Shard ``slow_key`` is generated only once shard ``waits_for`` exists: a straggler that
     only a producer generating beyond the prefetch window can get past."""
-    import threading
     done = {k: threading.Event() for k in range(8)}
 
     def fn(key):
@@ -162,6 +161,37 @@ def test_idle_producers_generate_past_a_straggler_into_the_cache(tmp_path):
         shards = [s.key for s in stream]
     assert shards == list(range(8))  # delivered in order ...
     assert made.index(4) < made.index(1)  # ... though shard 4 was made before the straggler
+
+
+def test_a_shard_made_before_its_callback_is_attached_generates_no_shard_of_the_window(
+        tmp_path, monkeypatch):
+    """The stream's thread may be descheduled between submitting shard 0 and attaching the
+    callback that starts generations ahead (a busy machine): shard 0 is made by then, the
+    callback runs at once, and shard 1, the window's other shard, is not submitted yet. It
+    must not be generated ahead: the producer that makes shard 1 would wait for that
+    generation, and a straggler at shard 1 would hold both producers (it did: the straggler
+    test above failed on a busy machine)."""
+    import concurrent.futures as cf
+    submit, generate = gs.ShardStream.submit_shard, gs.ShardStream.submit_generation
+    ahead = []
+
+    def made_at_once(self, key, epoch, index, run, prepare):
+        fut = submit(self, key, epoch, index, run, prepare)
+        if (epoch, index) == (0, 0):  # the stream's thread resumes once shard 0 is made
+            cf.wait([fut])
+        return fut
+
+    def generate_spied(self, key, epoch, run):
+        ahead.append((epoch, key))
+        return generate(self, key, epoch, run)
+
+    monkeypatch.setattr(gs.ShardStream, "submit_shard", made_at_once)
+    monkeypatch.setattr(gs.ShardStream, "submit_generation", generate_spied)
+    src = gs.FunctionSource(range(8), lambda k: np.arange(2) + 100 * k,
+                            cache_dir=tmp_path / "cache")
+    with gs.ShardStream(src, prefetch=1, producers=2) as stream:
+        assert [s.key for s in stream] == list(range(8))
+    assert not [key for epoch, key in ahead if epoch == 0 and key < 2], ahead  # the window
 
 
 def test_generate_ahead_keeps_batches_and_resumes_exactly(tmp_path):
