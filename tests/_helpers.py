@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import threading
 import time
 from typing import Any
@@ -17,19 +18,72 @@ SETTLE_S = 5.0  # grace for the OS to reap what a test closed; a leak lasts long
 JOIN_S = 30  # upper bound on joining a helper thread or process; never reached when all is well
 
 
+SHM = "/dev/shm"
+_MXNET_SHM = re.compile(r"mx_([0-9a-f]+)_")  # MXNet's /dev/shm/mx_<pid in hex>_<id>
+
+
+def shm_entries() -> set:
+    """The names in /dev/shm now: every process's (see :func:`made_here`)."""
+    return set(os.listdir(SHM)) if os.path.isdir(SHM) else set()
+
+
+def made_here(names) -> list:
+    """Of ``names`` (entries of /dev/shm), those of this process and its children: all but
+    those another process maps and none of these (the other pytest-xdist worker's, a dask
+    cluster's named semaphores, anything else on the machine), and MXNet's ``mx_<pid>_*`` of
+    another live process; gone ones are left out. What no process holds counts as ours: a
+    leak is found, not hidden. Mappings are matched by inode: glibc maps a semaphore under a
+    temporary name before it links it to its own."""
+    by_inode = {}
+    for name in names:
+        try:
+            by_inode[os.stat(os.path.join(SHM, name)).st_ino] = name
+        except FileNotFoundError:  # gone meanwhile: nothing left behind
+            continue
+    if not by_inode:
+        return []
+    me = psutil.Process()
+    ours = {me.pid} | {c.pid for c in me.children(recursive=True)}
+    holders: dict = {name: set() for name in by_inode.values()}
+    for pid in psutil.pids():
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                mapped = maps.read()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if f"{SHM}/" not in mapped:
+            continue
+        for line in mapped.splitlines():  # address perms offset dev inode path
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(f"{SHM}/") \
+                    and int(fields[4]) in by_inode:
+                holders[by_inode[int(fields[4])]].add(pid)
+    here = []
+    for name, held in sorted(holders.items()):
+        maker = _MXNET_SHM.match(name)
+        if held and not held & ours:
+            continue
+        if not held and maker and int(maker.group(1), 16) not in ours \
+                and psutil.pid_exists(int(maker.group(1), 16)):
+            continue
+        here.append(name)
+    return here
+
+
 def snapshot() -> dict:
-    """Threads, child processes, open fds and /dev/shm entries of this process now."""
+    """Threads, child processes and open fds of this process now, and /dev/shm's entries."""
     proc = psutil.Process()
     return {
         "threads": {t.ident for t in threading.enumerate() if t.is_alive()},
         "children": {c.pid for c in proc.children(recursive=True)},
         "fds": proc.num_fds(),
-        "shm": set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set(),
+        "shm": shm_entries(),
     }
 
 
 def leaks(before: dict) -> dict:
-    """What exists now that did not before: threads, child processes, fds, /dev/shm entries."""
+    """What exists now that did not before: threads, child processes, fds, /dev/shm entries
+    (those of this process and its children: :func:`made_here`)."""
     deadline = time.monotonic() + SETTLE_S
     while True:
         gc.collect()
@@ -39,7 +93,7 @@ def leaks(before: dict) -> dict:
                         if t.is_alive() and t.ident not in before["threads"]],
             "children": sorted(now["children"] - before["children"]),
             "fds": max(0, now["fds"] - before["fds"]),
-            "shm": sorted(now["shm"] - before["shm"]),
+            "shm": made_here(now["shm"] - before["shm"]),
         }
         if not any(found.values()) or time.monotonic() > deadline:
             return {k: v for k, v in found.items() if v}
