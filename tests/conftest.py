@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import signal
 import sys
+import tempfile
 
 import pytest
 
@@ -171,6 +172,17 @@ def pytest_collection_finish(session):
     reference counting; only cycles among them, made before any test ran, stay."""
     gc.collect()
     gc.freeze()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_temp_dir(tmp_path_factory):
+    """``tempfile``'s directory (TMPDIR, children inherit it) is this process's own: what a
+    test finds there, or leaves, is its own, not another xdist worker's or session's."""
+    path = str(tmp_path_factory.mktemp("tmp"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TMPDIR", path)
+        mp.setattr(tempfile, "tempdir", path)
+        yield path
 
 
 @pytest.fixture(scope="session")
