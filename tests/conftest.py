@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import signal
 import sys
 import tempfile
@@ -157,12 +158,43 @@ NOT_FAST = {
 }
 
 
-def pytest_collection_modifyitems(items):
-    """Mark ``fast`` every test that ``NOT_FAST`` does not name."""
+# Tests that one pytest-xdist worker runs one after another (``xdist_group``), never two at
+# once: the kvstore jobs (four MXNet processes each, which wait for one another at every step).
+XDIST_GROUPS = {
+    "test_kvstore.py": "kvstore",
+    "test_elastic_kvstore.py": "kvstore",
+}
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (setup.cfg): a worker per core this process may use (its affinity, as
+    ``producers='auto'`` counts them, not psutil's physical cores: 1 on a 2-vCPU machine), at
+    most 8 (each imports MXNet; the longest tests bound the time beyond), none on one core
+    (the tests run in pytest's own process). ``PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides it."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return min(cores or 1, 8) if (cores or 1) > 1 else 0
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark ``fast`` every test that ``NOT_FAST`` does not name; under pytest-xdist, put the
+    ones it names first (each takes a second or more: handed out first, they leave the short
+    ones to the end, where the workers then finish together) and group the tests of
+    ``XDIST_GROUPS``."""
+    slow = []
     for item in items:
-        slow = NOT_FAST.get(item.path.name, ())
-        if slow != EVERY_TEST and getattr(item, "originalname", item.name) not in slow:
+        not_fast = NOT_FAST.get(item.path.name, ())
+        if not_fast == EVERY_TEST or getattr(item, "originalname", item.name) in not_fast:
+            slow.append(item)
+        else:
             item.add_marker(pytest.mark.fast)
+        group = XDIST_GROUPS.get(item.path.name)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    if hasattr(config, "workerinput"):  # an xdist worker: every worker orders them alike
+        first = set(map(id, slow))
+        items[:] = slow + [item for item in items if id(item) not in first]
 
 
 def pytest_collection_finish(session):

@@ -69,6 +69,7 @@ def test_the_pure_python_parts_are_tested_without_mxnet(tmp_path):
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path)] + sys.path))
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "-n", "0",  # in that one process: this test has its core already
                           "-m", "not mxnet", *PURE_TESTS], cwd=here, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
