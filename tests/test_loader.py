@@ -471,7 +471,10 @@ def test_bool_masks_cross_shard_boundaries_and_roll_over(path, last_batch):
 @pytest.mark.parametrize("case, kwargs, reason", [
     ("no keys", dict(keys=[]), "it has no keys"),
     ("empty shards", dict(sizes=[0, 0]), "hold no samples"),
-    ("too few", dict(sizes=[1, 2], last_batch="discard"), "3 samples are fewer than batch_size=4"),
+    ("too few", dict(sizes=[1, 2], last_batch="discard"),
+     "3 samples are fewer than batch_size=4 and last_batch='discard' keeps them out"),
+    ("too few, even", dict(sizes=[1, 2], even_batches=True),
+     "3 samples are fewer than batch_size=4 and even_batches=True keeps them out"),
     ("all skipped", dict(sizes=[5, 5], fail=True, on_error="skip"), "all 2 shards were skipped"),
 ])
 def test_an_epoch_without_samples_warns_once_saying_why(case, kwargs, reason, caplog):

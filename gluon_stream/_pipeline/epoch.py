@@ -254,7 +254,8 @@ class EpochPass:
                     and stream.remainder_of(run.epoch) is None:  # a remainder may hold none
                 logger.warning("epoch %d delivered no samples: %s", run.epoch,
                                _empty_reason(run, feed, settings.batch_size,
-                                             settings.last_batch))
+                                             "even_batches=True" if settings.even is True
+                                             else f"last_batch={settings.last_batch!r}"))
         finally:
             for run, feed in runs:
                 if run is not self.handover:
@@ -634,8 +635,9 @@ def _empty_pass(stream: Any, feed: UnitFeed, start: Position) -> bool:
     return feed.end.taken == start.taken
 
 
-def _empty_reason(run: EpochRun, feed: UnitFeed, batch_size: int, last_batch: str) -> str:
-    """Why an epoch gave no batch, in words (for its one WARNING)."""
+def _empty_reason(run: EpochRun, feed: UnitFeed, batch_size: int, rule: str) -> str:
+    """Why an epoch gave no batch, in words (for its one WARNING; ``rule``: the setting that
+    keeps a short batch out)."""
     shards = run.index
     if not shards:
         return "it has no keys"
@@ -643,7 +645,7 @@ def _empty_reason(run: EpochRun, feed: UnitFeed, batch_size: int, last_batch: st
         return f"all {shards} shards were skipped (on_error='skip'; see the warnings above)"
     if feed.samples:
         return (f"its {feed.samples} samples are fewer than batch_size={batch_size} and "
-                f"last_batch={last_batch!r} keeps them out of this epoch")
+                f"{rule} keeps them out of this epoch")
     return (f"its {shards} shard(s) hold no samples (does a transform return 0 rows, e.g. "
             "windows longer than the shard?)")
 
