@@ -35,7 +35,7 @@ from .errors import InvalidState, LoaderClosed, SchemaMismatch, add_note
 from ._utils.retry import ErrorPolicy, OnError
 from ._utils.columns import names_of, normalize_arrays
 from .sources import RawShard, Source
-from ._pipeline.sizes import ShardSizes, part_rows, turn_of
+from ._pipeline.sizes import ShardSizes, part_rows, stride_turn
 from ._pipeline.keys import KeyTape, part_endless, part_keys
 from ._pipeline.producers import ProducerPool, Throttle
 from ._pipeline.remainder import Remainder
@@ -396,7 +396,7 @@ class ShardStream(Closing):
             # an endless remainder's tail (keys after its pieces): equal strides, as its pieces
             deal = "samples" if remainder is not None and self.deal == "balanced" else self.deal
             order = part_rows(rows, self.num_parts, self.part_index, deal,
-                              turn_of(epoch, index) if deal == "turns" else before)
+                              stride_turn(deal, epoch, index, before))
         return order
 
     def shard_order(self, key: Any, epoch: int, length: int) -> np.ndarray | None:

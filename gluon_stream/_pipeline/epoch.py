@@ -148,6 +148,7 @@ class EpochPass:
                  carry: Carry | None = None, handover: EpochRun | None = None) -> None:
         self.stream, self.path, self.settings = stream, path, settings
         self.start = self.state = start
+        self._recorded = dict(start.rows_before)  # deal='balanced': shard -> rows before it
         self.carry = carry  # the data of start's carry, when the last pass rolled it over
         # samples_per_epoch: the run the last epoch stopped in (the shard it stopped inside
         # handed out again first); once this pass ends by its budget, what it hands the next
@@ -424,11 +425,9 @@ class EpochPass:
         if run is None or run.offsets is None:
             return ()
 
-        recorded = dict(self.start.rows_before)
-
         def rows(unit: int) -> int | None:  # None: past the shards read (a window's units)
             found = run.rows_before(unit)
-            return found if found is not None else recorded.get(unit)
+            return found if found is not None else self._recorded.get(unit)
 
         known = [(unit, n) for unit in range(first, last + 1) if (n := rows(unit)) is not None]
         if not known:
@@ -442,7 +441,7 @@ class EpochPass:
     def _recorded_rows(self, unit: int) -> int:
         """``deal='balanced'``: the rows before position ``unit`` of the epoch, as the state
         this pass started from records them (0 at the epoch's start)."""
-        recorded = dict(self.start.rows_before)
+        recorded = self._recorded
         if unit in recorded or not unit or self.stream.deal != "balanced" \
                 or self.stream.num_parts == 1 or self.stream.remainder_of(self.epoch) is not None:
             return recorded.get(unit, 0)

@@ -25,8 +25,9 @@ def choose_deal(even: bool | str, fixed_size: bool, sizes_known: bool, parts: in
     (every rank an equal stride of every shard), ``'strides'`` (every rank its stride, nothing
     dropped), ``'turns'`` (strides whose first row turns to the next rank from shard to shard
     and pass to pass) or ``'balanced'`` (strides that go on from where the last shard's
-    stopped, so the ranks' counts never differ by more than one). ``fixed_size``: ``samples_per_epoch`` is set; ``keys``: epoch 0's key
-    count (None for an endless iterator, which deals keys to every rank).
+    stopped, so the ranks' counts never differ by more than one). ``fixed_size``:
+    ``samples_per_epoch`` is set; ``keys``: epoch 0's key count (None for an endless
+    iterator, which deals keys to every rank).
 
     * ``samples_per_epoch`` with fewer keys than ranks: turning strides (a rank dealt no key
       would read no sample, pass after pass; fixed strides starve the last ranks of shards
@@ -42,7 +43,7 @@ def choose_deal(even: bool | str, fixed_size: bool, sizes_known: bool, parts: in
     if fixed_size:
         if few:
             return "turns", (f"samples_per_epoch with {keys} key(s) on {parts} ranks (fewer "
-                               "keys than ranks)")
+                             "keys than ranks)")
         return "shards", ""
     if even and not sizes_known:
         return ("strides" if even == "pad" else "balanced"), \

@@ -9,7 +9,8 @@ import numpy as np
 from .._utils import validate as _validate
 from ..sources import Source
 
-__all__ = ["DeclaredSizes", "ShardSizes", "part_count", "part_rows", "stride_of", "turn_of"]
+__all__ = ["DeclaredSizes", "ShardSizes", "part_count", "part_rows", "stride_of", "stride_turn",
+           "turn_of"]
 
 #: ``shard_sizes=``: ``{key: samples}``, ``fn(key) -> samples``, or one int for every shard.
 DeclaredSizes = Union[Mapping[Any, int], Callable[[Any], int], int, None]
@@ -20,8 +21,8 @@ def part_rows(rows: np.ndarray, parts: int, part: int, deal: str,
               before: int | None = None) -> np.ndarray:
     """The rows of a shard (``rows``, in the shard's order) that part ``part`` of ``parts``
     reads: all of them when shards are dealt whole; its stride with ``'strides'``, ``'turns'``
-    and ``'balanced'``; the same stride cut to ``len(rows) // parts`` with ``'samples'`` (equal counts
-    on every part). ``before``: see :func:`stride_of`."""
+    and ``'balanced'``; the same stride cut to ``len(rows) // parts`` with ``'samples'``
+    (equal counts on every part). ``before``: see :func:`stride_of`."""
     if deal == "shards" or parts == 1:
         return rows
     out = rows[stride_of(part, parts, deal, before)::parts]
@@ -45,6 +46,15 @@ def turn_of(key_pass: int, index: int) -> int:
     return key_pass + index
 
 
+def stride_turn(deal: str, key_pass: int, index: int, before: int | None) -> int | None:
+    """What turns the strides of the shard at position ``index`` of pass ``key_pass`` (the
+    ``before`` of :func:`stride_of`): its turn with ``'turns'`` (:func:`turn_of`), the rows
+    before it with ``'balanced'`` (``before``, None where unknown), nothing otherwise."""
+    if deal == "turns":
+        return turn_of(key_pass, index)
+    return before if deal == "balanced" else None
+
+
 def stride_of(part: int, parts: int, deal: str, before: int | None) -> int:
     """Which stride of a shard part ``part`` of ``parts`` takes (the first row it reads).
 
@@ -55,8 +65,7 @@ def stride_of(part: int, parts: int, deal: str, before: int | None) -> int:
     at part 0. With ``'turns'``, ``before`` is the shard's turn (:func:`turn_of`), so the first
     row goes to the next part from shard to shard and pass to pass. ``'balanced'`` always
     turns by the rows before (every part knows them: it reads every shard of the epoch).
-    ``'samples'`` cuts every
-    stride to the same count: it never turns."""
+    ``'samples'`` cuts every stride to the same count: it never turns."""
     if before is None or deal == "samples":
         return part
     return (part - before) % parts
@@ -98,11 +107,10 @@ class ShardSizes:
             self._seen[(key, None)] = full_size
 
     def part_share(self, full: int, part: int | None = None, turn: int | None = None) -> int:
-        """Samples a part takes of a shard of ``full`` samples (``turn``: with
-        ``deal='turns'`` the shard's, see :func:`turn_of`; with ``'balanced'`` the rows
-        before it in the epoch)."""
+        """Samples a part takes of a shard of ``full`` samples (``turn``: what turns its
+        strides, see :func:`stride_turn`)."""
         return part_count(full, self.num_parts, self.part_index if part is None else part,
-                          self.deal, turn if self.deal in ("turns", "balanced") else None)
+                          self.deal, turn)
 
     def unit_share(self, epoch: int, index: int, full: int, part: int | None = None) -> int:
         """Samples a part takes of the shard at position ``index`` of ``epoch`` holding ``full``
@@ -112,8 +120,7 @@ class ShardSizes:
             return part_count(full, self.num_parts,  # an endless tail's key: as its pieces
                               self.part_index if part is None else part, "samples")
         if remainder is None or not remainder.is_piece(index):
-            return self.part_share(full, part,
-                                   turn_of(epoch, index) if self.deal == "turns" else None)
+            return self.part_share(full, part, stride_turn(self.deal, epoch, index, None))
         return remainder.share(index, full, self.num_parts,
                                self.part_index if part is None else part, self.deal,
                                self.rows_before(epoch, index))
@@ -155,8 +162,7 @@ class ShardSizes:
         full = self.full_size(key, epoch)
         if full is None:
             return None
-        return self.part_share(full, part, before if self.deal == "balanced"
-                               else turn_of(epoch, index))
+        return self.part_share(full, part, stride_turn(self.deal, epoch, index, before))
 
     def full_size(self, key: Any, epoch: int) -> int | None:
         """A shard's samples after transform, before ranks take their parts, if known without
@@ -205,8 +211,8 @@ class ShardSizes:
             full = self.full_size(key, epoch)
             if full is None:
                 return None
-            turn = before if self.deal == "balanced" else turn_of(epoch, index)
-            total += self.part_share(full, part_index, turn)
+            total += self.part_share(full, part_index,
+                                     stride_turn(self.deal, epoch, index, before))
             before += full
         return total
 

@@ -26,8 +26,8 @@ __all__ = ["STATE_VERSION", "LoaderState", "checksum", "decode_state", "encode_s
 STATE_VERSION = 3
 _JSON_KEY = (str, int, float)
 _FIELDS = {"version", "epoch", "end", "unit", "offset", "batches", "carry", "skipped",
-           "settings", "digest"}  # and, where they apply, "repeat", "lead", "keys", "drawn",
-# "rows_before"
+           "settings", "digest"}  # and, where they apply: "repeat", "lead", "keys", "drawn",
+#                         "rows_before"
 
 #: ``epoch_keys(epoch)``: an epoch's shard order for this part (None: an endless iterator).
 EpochKeys = Callable[[int], "Sequence[Any] | None"]
@@ -183,7 +183,7 @@ def decode_state(state: Any, settings: Mapping[str, Any], batch_size: int,
         repeat, number = _repeat(state["repeat"], epoch, batch_size, delivered,
                                  settings.get("even_batches") == "pad")
     lead = _int(state, "lead") if "lead" in state else 0
-    rows_before = _rows_before(state.get("rows_before", []))
+    rows_before = _pairs(state.get("rows_before", []), "rows_before", "shard position, rows")
     keys = epoch_keys(epoch)
     _check_keys(state, epoch, position.unit, keys)
     for segment in position.carry + repeat:
@@ -222,25 +222,19 @@ def _bool(state: Mapping[str, Any], field: str) -> bool:
     return state[field]
 
 
-def _positions(values: Any, epoch: int) -> tuple[tuple[int, int], ...]:
+def _pairs(values: Any, field: str, what: str) -> tuple[tuple[int, int], ...]:
+    """State field ``field``: a list of ``what`` pairs of ints >= 0."""
     if not isinstance(values, (list, tuple)) or not all(
             isinstance(v, (list, tuple)) and len(v) == 2 for v in values):
-        raise InvalidState(f"state field 'skipped' must be a list of [epoch, shard position], "
-                           f"got {values!r}")
-    out = tuple((_int({"skipped": e}, "skipped"), _int({"skipped": j}, "skipped"))
-                for e, j in values)
+        raise InvalidState(f"state field {field!r} must be a list of [{what}], got {values!r}")
+    return tuple((_int({field: a}, field), _int({field: b}, field)) for a, b in values)
+
+
+def _positions(values: Any, epoch: int) -> tuple[tuple[int, int], ...]:
+    out = _pairs(values, "skipped", "epoch, shard position")
     if any(e > epoch for e, _ in out):
         raise InvalidState(f"state field 'skipped' names an epoch after the state's {epoch}")
     return out
-
-
-def _rows_before(values: Any) -> tuple[tuple[int, int], ...]:
-    if not isinstance(values, (list, tuple)) or not all(
-            isinstance(v, (list, tuple)) and len(v) == 2 for v in values):
-        raise InvalidState(f"state field 'rows_before' must be a list of [shard position, "
-                           f"rows], got {values!r}")
-    return tuple((_int({"rows_before": u}, "rows_before"), _int({"rows_before": n}, "rows_before"))
-                 for u, n in values)
 
 
 def _repeat(value: Any, epoch: int, batch_size: int, delivered: int, padded: bool
