@@ -199,22 +199,28 @@ with gs.StreamLoader(src, batch_size=4, num_parts="auto", part_index="auto", see
 """
 
 
+def run_ranks(worker: str, ranks: int, timeout: float, **fields) -> list:
+    """Run ``worker`` (formatted with ``fields`` and ``tests``, this folder) as ``ranks`` real
+    processes at once, rank and world size in the environment; what each printed, as JSON."""
+    import os
+    code = worker.format(tests=os.path.dirname(__file__), **fields)
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(ranks)))
+             for r in range(ranks)]
+    outs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, err
+        outs.append(json.loads(out))
+    return outs
+
+
 @pytest.mark.parametrize("known", [True, False], ids=["sizes-known", "sizes-unknown"])
 def test_ranks_as_real_processes(tmp_path, known):
     """Three ranks as real processes on one shared cache_dir; with sizes unknown every rank
     produces every shard (each generated once, through the cache's per-key lock)."""
-    import os
-    code = WORKER.format(tests=os.path.dirname(__file__), sizes=SIZES, known=known,
-                         cache=str(tmp_path / "cache"))
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="3"))
-             for r in range(3)]
-    outs = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err
-        outs.append(json.loads(out))
+    outs = run_ranks(WORKER, 3, 120, sizes=SIZES, known=known, cache=str(tmp_path / "cache"))
     assert len({len(o) for o in outs}) == 1
     flat = [i for o in outs for b in o for i in b]
     assert len(flat) == len(set(flat))
@@ -390,18 +396,8 @@ def test_samples_per_epoch_with_shards_smaller_than_the_ranks_reaches_every_rank
     any pass, so it raised after 16 passes while ranks 0-2 trained: a hung job. Turning
     strides reach every rank: each of 4 real processes reads 4 samples an epoch, 2 batches,
     every sample one of the shards'."""
-    import os
     sizes = [1, 2, 3]
-    code = TURNS_WORKER.format(tests=os.path.dirname(__file__), sizes=sizes)
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="4"))
-             for r in range(4)]
-    outs = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=150)
-        assert proc.returncode == 0, err
-        outs.append(json.loads(out))
+    outs = run_ranks(TURNS_WORKER, 4, 150, sizes=sizes)
     ids = set(all_ids(sizes))
     for rank, epochs in enumerate(outs):
         assert [len(e) for e in epochs] == [2, 2, 2], rank  # equal step counts every epoch
