@@ -41,7 +41,7 @@ from ._pipeline.producers import ProducerPool, Throttle
 from ._pipeline.remainder import Remainder
 from ._pipeline.run import EpochRun, RunState
 from ._pipeline.shard import Prepare, Shard
-from ._pipeline.tuning import DEFAULT_PREFETCH, START_PREFETCH, Limits, Tunable, Tuner
+from ._pipeline.tuning import DEFAULT_PREFETCH, Limits, Tunable, Tuner, start_knobs
 from .records import ShardRecord
 from .stats import Stats
 
@@ -144,14 +144,18 @@ class ShardStream(Closing):
         budget = (None if memory_budget is None
                   else _validate.byte_size("memory_budget", memory_budget))
         fixed_prefetch = _validate.is_set(prefetch)
-        prefetch = _validate.integer("prefetch", prefetch if fixed_prefetch else (
-            DEFAULT_PREFETCH if budget is None else START_PREFETCH), minimum=0)  # starts low
         self._remote = producers if isinstance(producers, cf.Executor) else None
         self.auto_producers = producers == "auto"
+        caches = bool(getattr(source, "cached", False)) and self._remote is None
+        start = None if budget is None else start_knobs(
+            caches and bool(getattr(source, "generates_apart", False)) and self.auto_producers,
+            usable_cores())
+        prefetch = _validate.integer("prefetch", prefetch if fixed_prefetch else (
+            DEFAULT_PREFETCH if start is None else start.prefetch), minimum=0)  # starts low
         if self._remote is not None:  # local threads only wait for, load and transform shards
             throttle = Throttle(prefetch + 1, prefetch + 1)
-        elif self.auto_producers and budget is not None:  # the tuner sets the count
-            throttle = Throttle(1, usable_cores())
+        elif self.auto_producers and start is not None:  # the tuner sets the count
+            throttle = Throttle(start.producers, usable_cores())
         elif self.auto_producers:
             throttle = Throttle(1, max(1, min(prefetch, usable_cores())))
         else:
@@ -188,7 +192,6 @@ class ShardStream(Closing):
         #: what is known of the shards' sizes without producing them (len, even_batches)
         self.sizes = ShardSizes(source, transform, shard_sizes, self.deal, self.num_parts,
                                 self.part_index, self.epoch_keys, self.remainder_of)
-        caches = bool(getattr(source, "cached", False)) and self._remote is None
         self._generate_auto = generate_ahead == "auto" and caches
         if generate_ahead == "auto":
             self.generate_ahead = self._auto_generate_ahead(prefetch) if caches else 0

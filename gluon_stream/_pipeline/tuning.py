@@ -61,7 +61,7 @@ from ..records import TuningRecord
 
 __all__ = ["DEFAULT_PREFETCH", "Knobs", "LEAST_PREFETCH", "Limits", "MIN_SHARDS", "Measured",
            "START_PREFETCH", "Tunable", "TunableWorkers", "Tuner", "WAIT_SHARE", "decide",
-           "footprint"]
+           "footprint", "start_knobs"]
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +136,19 @@ class Decision:
     knobs: Knobs
     reason: str
     limited: bool = False
+
+
+def start_knobs(generates_apart: bool, cores: int) -> Knobs:
+    """The settings before the first shard is measured, which must hold whatever its size:
+    as few shards as the least settings hold (three). One producer making the first shard
+    and then the second, ``prefetch`` :data:`START_PREFETCH`; or, where another program
+    generates shards into a cache (``generates_apart``: this process holds none of a shard
+    until it loads it), two producers and ``prefetch`` 0: the first shard loads while the
+    second producer generates the next ones ahead, on disk, so the start waits for one
+    generation, not two in a row."""
+    if generates_apart and cores > 1:
+        return Knobs(LEAST_PREFETCH, 2)
+    return Knobs(START_PREFETCH, 1)
 
 
 def footprint(knobs: Knobs, m: Measured, limits: Limits) -> float:

@@ -99,6 +99,12 @@ class Source(Closing):
         """The most shards the cache keeps (``cache_limit`` as a count); None: no count bound."""
         return None
 
+    @property
+    def generates_apart(self) -> bool:
+        """Whether :meth:`ensure_file` makes a shard in the cache without holding its data in
+        this process (another program writes it): a ``memory_budget`` does not count it."""
+        return False
+
     def ensure_file(self, key: Any, epoch: int) -> tuple[str | None, bool, float]:
         """Make sure the shard is in the cache: ``(path, cache_hit, seconds)``; a source
         without a cache makes nothing ahead: ``(None, True, 0.0)``."""

@@ -89,6 +89,12 @@ class CommandSource(CachingSource):
         return self.retry.retries
 
     @property
+    def generates_apart(self) -> bool:
+        """With a ``cache_dir``, the program writes a shard there; this process holds none of
+        it until it is loaded."""
+        return self.cached
+
+    @property
     def per_epoch(self) -> bool:
         """True when the command uses ``{epoch}``: shards are made and cached per epoch."""
         return any("{epoch}" in arg for arg in self.command)

@@ -244,6 +244,12 @@ class MixSource(Source):
         return any(getattr(source, "cached", False) for source in self.sources.values())
 
     @property
+    def generates_apart(self) -> bool:
+        """Whether every source that generates ahead into a cache does it in another program."""
+        return self.cached and all(source.generates_apart for source in self.sources.values()
+                                   if source.cached)
+
+    @property
     def cache_room(self) -> int | None:
         """The smallest count bound of the sources' caches (None: none has one)."""
         rooms = [room for room in (s.cache_room for s in self.sources.values()) if room is not None]
