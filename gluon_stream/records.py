@@ -22,7 +22,7 @@ class ShardRecord:
         generate_s: Seconds running the generator (or waiting for the cache lock).
         load_s: Seconds reading and validating the file.
         transform_s: Seconds in the transform, the shuffle and the copy into an NDArray.
-        producer: The producer thread that made it.
+        producer: The producer that made it (its lane: ``gluon_stream-producer_<place>``).
         error: ``"Type: message"`` for a shard skipped by ``on_error='skip'``, else None.
         source: The name of the source it came from in a :class:`~gluon_stream.MixSource`
             (None for a source used alone, and for a skipped shard).

@@ -29,7 +29,8 @@ class Span(NamedTuple):
     """One interval on the timeline (a tuple: compact, 50,000 of them are kept).
 
     Attributes:
-        lane: The producer thread's name, or ``"train"`` for the training loop.
+        lane: The producer's lane (``gluon_stream-producer_<place>``), or ``"train"`` for the
+            training loop.
         name: ``"generate"``, ``"load"`` or ``"transform"`` on a producer lane; ``"busy"``
             (the loop body ran) or ``"wait"`` (the loop waited for its next batch) on ``"train"``.
         start: Seconds since the :class:`Stats` was created.
@@ -187,7 +188,7 @@ class Stats:
             return list(self.spans)
 
     def lanes(self) -> list[str]:
-        """Lane names: producer threads in name order, then ``"train"`` if it has spans."""
+        """Lane names: producers in name order, then ``"train"`` if it has spans."""
         names = {s.lane for s in self.span_list()}
         producers = sorted(names - {TRAIN_LANE})
         return producers + ([TRAIN_LANE] if TRAIN_LANE in names else [])

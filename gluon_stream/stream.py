@@ -17,9 +17,9 @@ and ``Shard`` are importable from here as before.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import itertools
 import logging
-import threading
 import weakref
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -507,9 +507,8 @@ class ShardStream(Closing):
             raise LoaderClosed("epoch pass cancelled")
         if run is None:  # produce_now: in the caller's thread, outside the producers' count
             return self._make(key, epoch, index, run, prepare)
-        generated_s = run.generated(index)  # made ahead into the cache: only loading is left
-        try:
-            with self._res.throttle:
+        try:  # made ahead into the cache: only loading is left once its generation is done
+            with self._placed(run, lambda: run.generated(index)) as generated_s:
                 shard = self._make(key, epoch, index, run, prepare)
         except BaseException:
             if run.offsets is not None:  # the shards after it stop waiting for its size
@@ -524,10 +523,10 @@ class ShardStream(Closing):
         """Runs in a producer thread: make a shard in the cache without loading it (it waits
         there, on disk, for its turn in the ``prefetch`` window); the seconds it took, or 0
         when it was cached already."""
-        with self._res.throttle:
+        with self._placed(run):
             if run.cancelled:
                 raise LoaderClosed("epoch pass cancelled")
-            lane = threading.current_thread().name
+            lane = self._res.throttle.lane()
             t0 = self.stats.clock()
             _, hit, seconds = self.source.ensure_file(key, epoch)
             if hit:
@@ -535,11 +534,29 @@ class ShardStream(Closing):
             self.stats.add_span(lane, "generate", t0, t0 + seconds, key)
             return seconds
 
+    @contextlib.contextmanager
+    def _placed(self, run: EpochRun, wait: Callable[[], float] | None = None
+                ) -> Iterator[float]:
+        """A producer's place for ``run``'s work, held for the block (which gets what ``wait``
+        returned: it runs first). Until the place is taken the run counts the work as queued,
+        so a generation ahead, started by a producer that just finished, does not take the
+        place a shard of the window is about to take: the window comes first."""
+        run.unplaced(1)
+        try:
+            got = wait() if wait is not None else 0.0
+            self._res.throttle.__enter__()
+        finally:
+            run.unplaced(-1)
+        try:
+            yield got
+        finally:
+            self._res.throttle.__exit__()
+
     def _make(self, key: Any, epoch: int, index: int, run: "EpochRun | None",
               prepare: Prepare | None, whole: bool = False, before: int | None = None) -> Shard:
         if run is not None and run.cancelled:
             raise LoaderClosed("epoch pass cancelled")
-        lane = threading.current_thread().name
+        lane = self._res.throttle.lane()
         clock = self.stats.clock
         t0 = clock()
         made = self.made_epoch(epoch, index)

@@ -13,17 +13,23 @@ from .._utils.closing import CLOSE_WAIT_S, WAIT_SLICE_S, end_thread_pool
 from ..errors import LoaderClosed
 from ..sources import Source
 
-__all__ = ["ProducerPool", "Throttle"]
+__all__ = ["LANE_PREFIX", "ProducerPool", "Throttle"]
 
 logger = logging.getLogger(__name__)
+
+
+#: a producer's lane in the stats and the timeline: the prefix, then its place
+LANE_PREFIX = "gluon_stream-producer_"
 
 
 class Throttle:
     """How many producers may work at once: fixed, or growing (``producers='auto'``).
 
-    Producer threads exist up to ``bound``; a shard's production waits here until fewer than
-    ``active`` are running. :meth:`grow` admits one more; :meth:`set_active` (the
-    ``memory_budget`` tuner) sets the count.
+    Up to ``bound`` producers; a shard's production waits here until fewer than ``active``
+    are running. :meth:`grow` admits one more; :meth:`set_active` (the ``memory_budget`` tuner)
+    sets the count. Each producer at work holds a place (0, 1, ...), which names its lane
+    (:meth:`lane`): the threads that run them may be more (one waits for a shard that another
+    generates ahead), the producers never are.
     """
 
     def __init__(self, active: int, bound: int) -> None:
@@ -31,6 +37,7 @@ class Throttle:
         self.running = 0
         self._cond = threading.Condition()
         self._closed = False
+        self._places: dict[int, int] = {}  # thread id -> place
 
     def __enter__(self) -> None:
         with self._cond:
@@ -39,11 +46,21 @@ class Throttle:
             if self._closed:
                 raise LoaderClosed("the stream was closed")
             self.running += 1
+            taken = set(self._places.values())
+            self._places[threading.get_ident()] = next(
+                p for p in range(len(taken) + 1) if p not in taken)
 
     def __exit__(self, *exc: Any) -> None:
         with self._cond:
             self.running -= 1
+            self._places.pop(threading.get_ident(), None)
             self._cond.notify()
+
+    def lane(self) -> str:
+        """The calling producer's lane: its place, or (outside the throttle: a shard made in
+        the loop's thread) the thread's name."""
+        place = self._places.get(threading.get_ident())
+        return threading.current_thread().name if place is None else f"{LANE_PREFIX}{place}"
 
     @contextlib.contextmanager
     def released(self) -> Iterator[None]:
@@ -82,7 +99,10 @@ class ProducerPool:
     def __init__(self, source: Source, throttle: Throttle) -> None:
         self.source = source
         self.throttle = throttle
-        self.executor = cf.ThreadPoolExecutor(throttle.bound,
+        # twice the producers: a thread may wait for a shard's generation ahead (or, with
+        # balanced strides, for the shards before it) with its producer's place given up, and
+        # the place must find a thread to work in meanwhile
+        self.executor = cf.ThreadPoolExecutor(2 * throttle.bound,
                                               thread_name_prefix="gluon_stream-producer")
         self.closed = threading.Event()
         self.runs: weakref.WeakSet = weakref.WeakSet()

@@ -154,6 +154,8 @@ class EpochRun:
         self._handed = False  # a shard was handed out: the consumer holds one (see _window)
         self._lookahead: collections.deque = collections.deque()  # (key, index) drawn early
         self._ahead: dict[int, cf.Future] = {}  # index -> generation into the cache
+        self._unplaced = 0  # work started in a thread, waiting for a producer's place
+        self._unplaced_lock = threading.Lock()  # not _lock: the window is filled holding it
         self.offsets = RowOffsets(skip, rows_before) if stream.deal == "balanced" \
             and stream.num_parts > 1 and stream.remainder_of(epoch) is None else None
         # the consumer fills the window; producers finishing a shard start generations ahead
@@ -355,10 +357,18 @@ class EpochRun:
         return fut.done() and not fut.cancelled() and fut.exception() is None
 
     def _queued(self) -> int:
-        """Shards of this pass submitted to the producers and not started yet."""
+        """Shards of this pass submitted to the producers that have no producer's place yet:
+        not started, or started in a thread that waits for a place (or for the shard's
+        generation ahead, whose place it takes next)."""
         with self._lock:
             futures = [fut for _, _, fut in self.pending] + list(self._ahead.values())
-        return sum(1 for fut in futures if not (fut.running() or fut.done()))
+        return self._unplaced + sum(1 for fut in futures if not (fut.running() or fut.done()))
+
+    def unplaced(self, change: int) -> None:
+        """Work of this pass started (``+1``) or stopped (``-1``) waiting for a producer's
+        place in a producer thread (see :meth:`_queued`)."""
+        with self._unplaced_lock:
+            self._unplaced += change
 
     def ready_ahead(self) -> int:
         """Shards ahead of the consumer that are already produced."""
