@@ -35,7 +35,7 @@ from .._utils import validate as _validate
 from .._utils.random import seeded_rng
 
 __all__ = ["LAST_BATCH_MODES", "Batch", "LastBatch", "BatchPlanner", "MixedUnit", "Position", "Segment",
-           "UnitPlan", "WindowMixer"]
+           "UnitPlan", "WindowMixer", "mixed_order", "window_slice"]
 
 LAST_BATCH_MODES = ("keep", "discard", "rollover")
 LastBatch = Literal["keep", "discard", "rollover"]  # what to do with an epoch's short tail
@@ -76,6 +76,20 @@ class Position:
     @property
     def carried(self) -> int:
         return sum(s.size for s in self.carry)
+
+    @property
+    def last_read(self) -> int:
+        """The last unit the position has read rows of: its own where it stands inside it,
+        else the one before (-1: none)."""
+        return self.unit if self.offset else self.unit - 1
+
+    def units_read(self) -> set[tuple[int, int]]:
+        """``(epoch, unit)`` of the units the position has read part of: each carried
+        segment's, and :attr:`last_read` (the end of an epoch holds only its carry)."""
+        units = {(s.epoch, s.unit) for s in self.carry}
+        if not self.end and self.last_read >= 0:
+            units.add((self.epoch, self.last_read))
+        return units
 
     def ended(self) -> "Position":
         """This position, marked as the end of its epoch (nothing rolls over)."""
@@ -266,13 +280,16 @@ class MixedUnit:
 
     ``shards[i]`` and ``rows[i]`` are the shard (its position in the epoch) and the row (in
     that shard's own shuffled order) of the unit's ``i``-th sample; ``done`` lists the shards
-    no later unit reads.
+    no later unit reads; ``lengths`` the samples of shards ``index - window + 1 .. index``
+    the unit was built from (0: none, skipped or past the epoch's last), which decide it
+    (:func:`mixed_order`): what a state records for an elastic resume.
     """
 
     index: int
     shards: np.ndarray
     rows: np.ndarray
     done: tuple[int, ...]
+    lengths: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.shards)
@@ -336,26 +353,38 @@ class WindowMixer:
         self._next = end
         return units
 
-    def _slice(self, shard: int, part: int) -> tuple[int, int]:
-        q, r = divmod(self._lengths.get(shard, 0), self.window)
-        start = part * q + min(part, r)
-        return start, start + q + (1 if part < r else 0)
-
     def _unit(self, t: int) -> MixedUnit:
         k = self.window
-        shards, rows = [], []
-        for j in range(max(0, t - k + 1), t + 1):
-            if j not in self._lengths:
-                continue
-            start, stop = self._slice(j, t - j)
-            shards.append(np.full(stop - start, j, dtype=np.int64))
-            rows.append(np.arange(start, stop, dtype=np.int64))
-        shard_of = np.concatenate(shards) if shards else np.zeros(0, np.int64)
-        row_of = np.concatenate(rows) if rows else np.zeros(0, np.int64)
-        if len(shard_of) > 1:
-            order = seeded_rng(self.seed, self.epoch, t, self.SALT).permutation(len(shard_of))
-            shard_of, row_of = shard_of[order], row_of[order]
+        lengths = tuple(self._lengths.get(j, 0) for j in range(t - k + 1, t + 1))
+        shard_of, row_of = mixed_order(k, self.seed, self.epoch, t, lengths)
         done = t - k + 1
         if done >= 0:
             self._lengths.pop(done, None)
-        return MixedUnit(t, shard_of, row_of, (done,) if done >= 0 else ())
+        return MixedUnit(t, shard_of, row_of, (done,) if done >= 0 else (), lengths)
+
+
+def window_slice(length: int, window: int, part: int) -> tuple[int, int]:
+    """Rows ``start, stop`` of slice ``part`` of a shard of ``length`` samples dealt into
+    ``window`` slices (the first ``length % window`` one row longer)."""
+    q, r = divmod(length, window)
+    start = part * q + min(part, r)
+    return start, start + q + (1 if part < r else 0)
+
+
+def mixed_order(window: int, seed: int, epoch: int, unit: int, lengths: tuple[int, ...]
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Unit ``unit`` of a shuffle window: the shard (position in the epoch) and row of each of
+    its samples in order, given ``lengths``, the samples of shards ``unit - window + 1 ..
+    unit`` (see :class:`WindowMixer`). Only these decide it, so an elastic resume rebuilds a
+    unit a rank read from the lengths its state records."""
+    shards, rows = [], []
+    for j in range(max(0, unit - window + 1), unit + 1):
+        start, stop = window_slice(lengths[j - unit + window - 1], window, unit - j)
+        shards.append(np.full(stop - start, j, dtype=np.int64))
+        rows.append(np.arange(start, stop, dtype=np.int64))
+    shard_of = np.concatenate(shards) if shards else np.zeros(0, np.int64)
+    row_of = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+    if len(shard_of) > 1:
+        order = seeded_rng(seed, epoch, unit, WindowMixer.SALT).permutation(len(shard_of))
+        shard_of, row_of = shard_of[order], row_of[order]
+    return shard_of, row_of
