@@ -149,6 +149,9 @@ class EpochPass:
         self.stream, self.path, self.settings = stream, path, settings
         self.start = self.state = start
         self._recorded = dict(start.rows_before)  # deal='balanced': shard -> rows before it
+        # shuffle_window > 1: (epoch, unit) -> its shards' lengths, of the units handed out
+        # (and those the start state records) a state may refer to
+        self._lengths = {(e, u): n for e, u, n in start.unit_lengths}
         self.carry = carry  # the data of start's carry, when the last pass rolled it over
         # samples_per_epoch: the run the last epoch stopped in (the shard it stopped inside
         # handed out again first); once this pass ends by its budget, what it hands the next
@@ -292,7 +295,8 @@ class EpochPass:
         if k > 1:
             mixer = WindowMixer(k, stream.seed, run.epoch, first_unit=position.unit)
             budget = max(stream.prefetch, k) + 1
-            return run, WindowFeed(run, planner, carry, self.path, record, mixer, budget, closes)
+            return run, WindowFeed(run, planner, carry, self.path, record, mixer, budget, closes,
+                                   self._lengths)
         return run, UnitFeed(run, planner, carry, self.path, record, closes)
 
     def _deliver(self, run: EpochRun, feed: UnitFeed, carry: Carry, delivered: int,
@@ -409,7 +413,19 @@ class EpochPass:
         rows = self._rows_of(first[epoch], max(u for e, u in needed if e == epoch)) \
             if epoch in first else ()
         self.state = LoaderState(position, delivered, tuple(sorted(skipped)), repeat, number,
-                                 lead, self.start.stream_epoch, rows)
+                                 lead, self.start.stream_epoch, rows, self._unit_lengths(position))
+
+    def _unit_lengths(self, position: Position) -> tuple:
+        """``shuffle_window > 1``: the lengths of the mixed units ``position`` has read part of
+        (see :attr:`LoaderState.unit_lengths`); those of units before them are let go of."""
+        if self.settings.window == 1:
+            return ()
+        units = position.units_read()
+        floor = min(units, default=(position.epoch, position.unit))
+        for old in [u for u in self._lengths if u < floor]:
+            del self._lengths[old]
+        return tuple((e, u, self._lengths[(e, u)]) for e, u in sorted(units)
+                     if (e, u) in self._lengths)
 
     def _rows_of(self, first: int, last: int) -> tuple[tuple[int, int], ...]:
         """``deal='balanced'``: ``(position, rows before it)`` of the epoch's shards a resume

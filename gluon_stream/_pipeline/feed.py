@@ -270,9 +270,13 @@ class WindowFeed(UnitFeed):
 
     def __init__(self, run: EpochRun, planner: BatchPlanner, carry: Carry, path: Any,
                  record: EpochRecord, mixer: WindowMixer, budget: int,
-                 closes: bool = True) -> None:
+                 closes: bool = True, lengths: dict | None = None) -> None:
         super().__init__(run, planner, carry, path, record, closes)
         self.mixer = mixer
+        #: (epoch, unit) -> :attr:`MixedUnit.lengths` of each unit handed out (what a state
+        #: records of the units its position refers to)
+        self.lengths: dict[tuple[int, int], tuple[int, ...]] = {} if lengths is None \
+            else lengths
         self.budget = budget  # shards held here plus shards in flight
         self._shards: dict[int, Shard] = {}
         self._units: collections.deque[tuple[MixedUnit, Future]] = collections.deque()
@@ -303,6 +307,7 @@ class WindowFeed(UnitFeed):
                 continue
             self._add_shard(shard)
         unit, pending = self._units.popleft()
+        self.lengths[(self.run.epoch, unit.index)] = unit.lengths
         start = time.perf_counter()
         mixed = pending.result()
         self.mix_wait_s += time.perf_counter() - start

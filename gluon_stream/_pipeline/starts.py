@@ -79,14 +79,16 @@ class PassStarts:
             if loaded.epoch == epoch:
                 return loaded
             if loaded.position.end and loaded.epoch + 1 == epoch:  # the next epoch, as it said
-                return LoaderState(loaded.position.next_epoch(), skipped=loaded.skipped)
+                return LoaderState(loaded.position.next_epoch(), skipped=loaded.skipped,
+                                   unit_lengths=loaded.unit_lengths)
             if warn:
                 logger.warning("state loaded for epoch %d, but epoch %d starts: iterating it "
                                "from its beginning", loaded.epoch, epoch)
             return LoaderState(Position(epoch))
         if last is not None and last.finished:
             return LoaderState(Position(epoch, carry=last.state.position.carry),
-                               skipped=last.state.skipped)
+                               skipped=last.state.skipped,
+                               unit_lengths=last.state.unit_lengths)
         return LoaderState(Position(epoch))
 
     def _in_stream(self) -> LoaderState:
@@ -99,7 +101,8 @@ class PassStarts:
         if before is not None and before.epoch + 1 == epoch:
             p = before.position
             return LoaderState(Position(p.epoch, p.unit, p.offset, p.carry),
-                               skipped=before.skipped, stream_epoch=epoch)
+                               skipped=before.skipped, stream_epoch=epoch,
+                               unit_lengths=before.unit_lengths)
         if before is None and epoch == 0:
             return LoaderState(Position(0), stream_epoch=0)
         raise InvalidState(

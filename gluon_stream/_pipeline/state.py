@@ -20,15 +20,18 @@ from .._utils import validate as _validate
 from .batching import Position, Segment
 from ..errors import InvalidState
 
-__all__ = ["STATE_VERSION", "LoaderState", "checksum", "decode_state", "encode_state",
-           "keys_digest", "verify"]
+__all__ = ["STATE_VERSION", "LoaderState", "UnitLengths", "checksum", "decode_state",
+           "encode_state", "keys_digest", "unit_lengths", "verify"]
 
 STATE_VERSION = 3
 _JSON_KEY = (str, int, float)
 _FIELDS = {"version", "epoch", "end", "unit", "offset", "batches", "carry", "skipped",
            "settings", "digest"}  # and, where they apply: "repeat", "lead", "keys", "drawn",
-#                         "rows_before"
+#                         "rows_before", "unit_lengths"
 
+#: ``((epoch, unit, (samples of each of the unit's shards, ...)), ...)``: see
+#: :attr:`LoaderState.unit_lengths`.
+UnitLengths = tuple[tuple[int, int, tuple[int, ...]], ...]
 #: ``epoch_keys(epoch)``: an epoch's shard order for this part (None: an endless iterator).
 EpochKeys = Callable[[int], "Sequence[Any] | None"]
 #: ``key_at(epoch, i)``: an endless iterator's key ``i`` in pass ``epoch``, drawn up to it, as
@@ -56,6 +59,13 @@ class LoaderState:
         rows_before: ``deal='balanced'``: ``(position, rows)`` for each shard of the epoch a
             resume reads again or starts from: the rows of the shards before it, which decide
             the strides a part takes of it (a resume does not read those shards again).
+        unit_lengths: ``shuffle_window > 1``: ``(epoch, unit, lengths)`` for each mixed unit
+            the position has read part of (its unit, or the one before it at a unit's start,
+            and each carried segment's): this part's samples of each of the unit's
+            ``shuffle_window`` shards (:attr:`~gluon_stream._pipeline.batching.MixedUnit.lengths`),
+            which decide which rows of each shard the unit's positions hold. An elastic resume
+            (:func:`gluon_stream.merge_states`) cuts what is left of those shards by them; a
+            resume on the same world size rebuilds the units from the shards instead.
     """
 
     position: Position
@@ -66,6 +76,7 @@ class LoaderState:
     lead: int = 0
     stream_epoch: int | None = None
     rows_before: tuple[tuple[int, int], ...] = ()
+    unit_lengths: UnitLengths = ()
 
     @property
     def epoch(self) -> int:
@@ -117,6 +128,9 @@ def encode_state(state: LoaderState, settings: Mapping[str, Any],
         out["lead"] = state.lead
     if state.rows_before:
         out["rows_before"] = [[unit, rows] for unit, rows in state.rows_before]
+    if state.unit_lengths:
+        out["unit_lengths"] = [[epoch, unit, list(lengths)]
+                               for epoch, unit, lengths in state.unit_lengths]
     if state.stream_epoch is not None:  # samples_per_epoch
         out["pass"], out["taken"] = position.epoch, position.taken
     if epoch_keys is not None:
@@ -184,6 +198,7 @@ def decode_state(state: Any, settings: Mapping[str, Any], batch_size: int,
                                  settings.get("even_batches") == "pad")
     lead = _int(state, "lead") if "lead" in state else 0
     rows_before = _pairs(state.get("rows_before", []), "rows_before", "shard position, rows")
+    lengths = unit_lengths(state.get("unit_lengths", []), settings.get("shuffle_window", 1), epoch)
     keys = epoch_keys(epoch)
     _check_keys(state, epoch, position.unit, keys)
     for segment in position.carry + repeat:
@@ -191,7 +206,38 @@ def decode_state(state: Any, settings: Mapping[str, Any], batch_size: int,
     if keys is None and key_at is not None:
         _check_drawn(state, epoch, position.unit, key_at)
     return LoaderState(position, delivered, skipped, repeat, number, lead, stream_epoch,
-                       rows_before)
+                       rows_before, tuple((e, u, n) for (e, u), n in lengths.items()))
+
+
+def unit_lengths(values: Any, window: Any, epoch: int) -> dict[tuple[int, int], tuple[int, ...]]:
+    """State field ``unit_lengths`` checked (see :attr:`LoaderState.unit_lengths`):
+    ``{(epoch, unit): lengths}``, each unit once, of an epoch up to ``epoch``, ``window``
+    lengths each, none of a shard before the epoch's first."""
+    field = "unit_lengths"
+    if not isinstance(values, (list, tuple)) or not all(
+            isinstance(v, (list, tuple)) and len(v) == 3 and isinstance(v[2], (list, tuple))
+            for v in values):
+        raise InvalidState(f"state field {field!r} must be a list of [epoch, unit, [samples "
+                           f"of each shard]], got {values!r}")
+    if values and (not isinstance(window, int) or isinstance(window, bool) or window < 2):
+        raise InvalidState(f"state field {field!r} is only saved with shuffle_window > 1, "
+                           f"this state's is {window!r}")
+    out: dict[tuple[int, int], tuple[int, ...]] = {}
+    for e, u, lengths in values:
+        key = (_int({field: e}, field), _int({field: u}, field))
+        if key in out or key[0] > epoch:
+            raise InvalidState(f"state field {field!r} names unit {key[1]} of epoch {key[0]} "
+                               f"{'twice' if key in out else f'after the state epoch {epoch}'}")
+        if len(lengths) != window:
+            raise InvalidState(f"state field {field!r} holds {len(lengths)} lengths for unit "
+                               f"{key[1]} of epoch {key[0]}, not one per shard of the window "
+                               f"(shuffle_window={window})")
+        counts = tuple(_int({field: n}, field) for n in lengths)
+        if any(counts[:max(0, window - 1 - key[1])]):
+            raise InvalidState(f"state field {field!r} gives samples to a shard before the "
+                               f"first of epoch {key[0]} (unit {key[1]}: {list(counts)})")
+        out[key] = counts
+    return out
 
 
 def _check_checksum(state: Mapping[str, Any]) -> None:
