@@ -182,10 +182,12 @@ def resolve(spec: Mapping[str, Any], keys_of: KeysOf,
               for u, n in saved.get("rows_before", ())}
     lists: dict[tuple[int, int], list] = {}
     tail_start = 0
+    tail_at: int | None = None  # an endless remainder read before: where its tail keys start
     if endless:  # each old rank's keys as far as any rank got, then the tail
         assert drawn is not None
         same = prior if prior is not None and prior.epoch == epoch else None
         base = list(same.pieces) if same is not None else []
+        tail_at = len(base) if same is not None else None
         start = same.tail_start if same is not None else 0
         need = max([u - len(base) + 1 for saved in spec["ranks"]
                     for u in _units_named(saved, epoch)] + [0])
@@ -218,6 +220,9 @@ def resolve(spec: Mapping[str, Any], keys_of: KeysOf,
             turn = stride_of(rank, parts, remainder_deal(deal), turns[unit] if turns else None)
             return (item.epoch, item.key), Take(item, parts, turn, remainder_deal(deal),
                                                 start, stop)
+        if deal == "balanced" and parts > 1 and e == epoch and tail_at is not None \
+                and unit >= tail_at:  # the tail read before: equal strides, as its pieces
+            return (e, item), Take(None, parts, rank, "samples", start, stop)
         if deal == "balanced" and parts > 1:
             return (e, item), Take(None, parts, stride_of(rank, parts, deal, before.get(unit)),
                                    "strides", start, stop)
