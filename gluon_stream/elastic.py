@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from ._pipeline.batching import Position
+from ._pipeline.batching import Position, Segment
 from ._pipeline.remainder import Remainder, resolve
-from ._pipeline.state import STATE_VERSION, LoaderState, checksum, verify
+from ._pipeline.state import STATE_VERSION, LoaderState, checksum, unit_lengths, verify
 from .errors import InvalidState
 from .stream import ShardStream
 
@@ -25,11 +25,6 @@ FIXED_SETTINGS = ("seed", "shuffle", "last_batch", "shuffle_window", "even_batch
                   "samples_per_epoch")
 #: Settings an elastic resume refuses (with why): (is it set?, the reason).
 _UNSUPPORTED = {
-    "shuffle_window": (lambda v: v != 1,
-                       "a rank stopped inside a window unit has trained part of the samples of "
-                       "up to shuffle_window shards, mixed in an order that depends on all of "
-                       "their sizes, so what is left of each shard cannot be cut from that "
-                       "shard alone"),
     "samples_per_epoch": (lambda v: v is not None,
                           "each rank's epoch ends after samples_per_epoch samples of its own "
                           "stream, so what is left of an old rank's epoch, and where a fresh "
@@ -51,8 +46,11 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict:
     Raises:
         InvalidState: a state is not a rank's state or was edited; a rank's state is missing
             or given twice; the states were saved at different steps or with other settings
-            (the field is named); the loader reads ``samples_per_epoch`` epochs or mixes a
-            ``shuffle_window``, which an elastic resume does not support yet.
+            (the field is named); the loader reads ``samples_per_epoch`` epochs, which an
+            elastic resume does not support yet; a state saved with ``shuffle_window > 1`` does
+            not record the lengths of the mixed units it read part of (``unit_lengths``: an
+            older gluon_stream's), or records lengths its shards no longer have (when the new
+            ranks read them).
 
     Example:
         >>> merged = merge_states([state_0, state_1])  # doctest: +SKIP
@@ -89,6 +87,8 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict:
     left = any(not r["end"] or r["carry"] for r in ranks)
     spec = {"epoch": epoch, "parts": len(by_rank), "deal": first.get("deal", "shards"),
             "prior": prior, "ranks": ranks} if left else None
+    if spec is not None and first.get("shuffle_window", 1) != 1:  # the mixed units to cut
+        spec.update(window=first["shuffle_window"], seed=first.get("seed"))
     if spec is not None and any("keys" not in s for s in by_rank):  # an endless iterator
         spec["endless"] = True
     # every rank stood at the next epoch's start (its pass ended: do_checkpoint, the docs' loop
@@ -192,17 +192,38 @@ def _epoch_of(state: Mapping[str, Any]) -> int:
 def _rank_spec(state: Mapping[str, Any], rank: int, epoch: int,
                first: Mapping[str, Any]) -> dict:
     carry = [[s["epoch"], s["unit"], s["start"], s["stop"]] for s in state["carry"]]
+    if first.get("shuffle_window", 1) != 1:
+        _check_unit_lengths(state, rank, first["shuffle_window"])
     if state["epoch"] != epoch:
         if _epoch_of(state) != epoch:
             raise InvalidState(
                 f"rank {rank}'s state is in epoch {state['epoch']}, another's in epoch {epoch}: "
                 "states from different steps; save every rank's state at the same step")
-        return {"end": True, "unit": 0, "offset": 0, "carry": carry, "keys": None}
-    out = {"end": state["end"], "unit": state["unit"], "offset": state["offset"],
-           "carry": carry, "keys": state.get("keys")}
-    if state.get("rows_before"):  # deal='balanced': which stride of each shard a rank takes
-        out["rows_before"] = state["rows_before"]
+        out = {"end": True, "unit": 0, "offset": 0, "carry": carry, "keys": None}
+    else:
+        out = {"end": state["end"], "unit": state["unit"], "offset": state["offset"],
+               "carry": carry, "keys": state.get("keys")}
+        if state.get("rows_before"):  # deal='balanced': which stride of each shard it takes
+            out["rows_before"] = state["rows_before"]
+    if state.get("unit_lengths"):  # shuffle_window > 1: how its mixed units are cut
+        out["unit_lengths"] = state["unit_lengths"]
     return out
+
+
+def _check_unit_lengths(state: Mapping[str, Any], rank: int, window: int) -> None:
+    """A rank's state with a shuffle window records the lengths of every mixed unit it read
+    part of: what is left of their shards is cut by them."""
+    lengths = unit_lengths(state.get("unit_lengths", []), window, state["epoch"])
+    carry = tuple(Segment(s["epoch"], s["unit"], s["start"], s["stop"]) for s in state["carry"])
+    read = Position(state["epoch"], state["unit"], state["offset"], carry,
+                    bool(state["end"])).units_read()
+    missing = sorted(read - set(lengths))
+    if missing:
+        raise InvalidState(
+            f"field 'unit_lengths': rank {rank}'s state does not record the lengths of the "
+            f"shards of mixed unit {missing[0][1]} of epoch {missing[0][0]}, which it read part "
+            "of (saved by an older gluon_stream?): save it again with this one, or resume on "
+            "the same number of ranks")
 
 
 def _check_steps(states: list, first: Mapping[str, Any]) -> None:

@@ -10,7 +10,9 @@ twice): none with ``'pad'`` or ``last_batch='keep'``; a short batch per rank wit
 strides too), also the fewer-than-``num_parts`` rows a rank's equal stride leaves out of each
 shard (or piece of one). With ``endless`` keys (an iterator per epoch) the same holds: the
 merge deals the iterator's keys as the old ranks drew them, and the new ranks read the pieces
-left, then the iterator's keys after them.
+left, then the iterator's keys after them. With a shuffle ``window`` of 2 or 3 shards too: the
+merge cuts the mixed units the old ranks stood in by the lengths their states record, and the
+new ranks mix the pieces left by the same window.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ class Config:
     batch_sizes: tuple[int, int, int]
     stops: tuple[int, int]  # batches the first two stages train before they stop
     endless: bool = False  # the keys are an iterator per epoch (``keys(epoch)``), not a list
+    window: int = 1  # shuffle_window (> 1 with shuffle only)
 
     def keys(self) -> Any:
         if self.endless:

@@ -1,7 +1,7 @@
 """Elastic resume: states saved on N ranks, merged, continued exactly on M ranks.
 
 The hypothesis test draws a job (shard sizes, shuffle, even_batches, last_batch, sizes known or
-not, a key list or an endless iterator), resizes it twice at drawn steps (the second time
+not, a key list or an endless iterator, a shuffle window of 1-3 shards), resizes it twice at drawn steps (the second time
 while the ranks read the first merge's remainder), changes the batch size each time, and
 checks the samples every rank trained against :mod:`elastic_model`. ``GS_MODEL_EXAMPLES=400``
 runs a deeper search.
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import gluon_stream as gs
 import elastic_model as model
-from _helpers import batch_ids, id_shards
+from _helpers import batch_ids, epoch_batch_ids, id_shards
 
 pytestmark = pytest.mark.mxnet
 
@@ -35,7 +35,8 @@ def make_loader(cfg: model.Config, parts: int, rank: int, batch_size: int) -> gs
     return gs.StreamLoader(gs.FunctionSource(cfg.keys(), cfg.shard),
                            batch_size=batch_size, shuffle=cfg.shuffle, seed=cfg.seed,
                            num_parts=parts, part_index=rank, even_batches=cfg.even,
-                           last_batch=cfg.last_batch, shard_sizes=sizes, prefetch=1)
+                           last_batch=cfg.last_batch, shard_sizes=sizes, prefetch=1,
+                           shuffle_window=cfg.window)
 
 
 def train(loader: gs.StreamLoader, batch_size: int, stop: int | None) -> tuple[list, int]:
@@ -142,13 +143,15 @@ def configs(draw):
     even = draw(st.sampled_from([False, True, "pad"]))
     last_batch = "keep" if even == "pad" else draw(st.sampled_from(
         ["keep", "discard"] if even else ["keep", "discard", "rollover"]))
+    window = draw(st.integers(1, 3))
     return model.Config(
         sizes=tuple(draw(st.lists(st.integers(0, 12), min_size=1, max_size=6))),
-        shuffle=draw(st.booleans()), seed=draw(st.integers(0, 3)), even=even,
+        shuffle=window > 1 or draw(st.booleans()), seed=draw(st.integers(0, 3)), even=even,
         last_batch=last_batch, sizes_known=draw(st.booleans()),
         parts=tuple(draw(st.integers(1, 4)) for _ in range(3)),
         batch_sizes=tuple(draw(st.integers(1, 5)) for _ in range(3)),
-        stops=(draw(st.integers(0, 6)), draw(st.integers(0, 6))), endless=draw(st.booleans()))
+        stops=(draw(st.integers(0, 6)), draw(st.integers(0, 6))), endless=draw(st.booleans()),
+        window=window)
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize="GS_MODEL_EXAMPLES" not in os.environ,
@@ -170,8 +173,24 @@ def configs(draw):
                           (3, 2, 3), (1, 2, 1), (2, 1)))  # balanced strides of tiny shards:
 @example(cfg=model.Config((1, 2, 1, 1, 3, 1, 1, 1, 2, 1), True, 4, True, "discard", False,
                           (4, 3, 2), (1, 1, 2), (1, 2)))  # ranks at a step stand shards apart
+# shuffle windows: the ranks stop inside mixed units (and a carry of one)
+@example(cfg=model.Config((10, 13, 0, 16, 7), True, 0, False, "rollover", False, (2, 3, 2),
+                          (4, 5, 3), (2, 3), window=2))
+@example(cfg=model.Config((10, 13, 16, 7, 9), True, 1, True, "discard", False, (3, 2, 4),
+                          (3, 4, 2), (2, 1), window=3))
+@example(cfg=model.Config((10, 0, 13, 16, 5), True, 2, True, "keep", True, (2, 3, 1),
+                          (4, 3, 5), (3, 2), window=2))
+@example(cfg=model.Config((10, 13, 16, 0), True, 3, "pad", "keep", False, (1, 3, 2),
+                          (3, 2, 4), (4, 3), window=3))
+@example(cfg=model.Config((9, 0, 11, 8), True, 0, "pad", "keep", True, (3, 2, 3),
+                          (2, 3, 2), (2, 4), endless=True, window=2))
+@example(cfg=model.Config((7, 12, 0, 9, 3), True, 1, False, "rollover", True, (4, 1, 3),
+                          (3, 5, 2), (1, 2), window=3))
+@example(cfg=model.Config((4, 11, 6, 11, 4), True, 3, True, "discard", True, (4, 2, 4),
+                          (4, 4, 1), (0, 1), endless=True, window=2))  # the tail read before
 def test_resized_twice_every_sample_once(cfg):
     event("endless keys" if cfg.endless else "a key list")  # --hypothesis-show-statistics
+    event(f"shuffle_window={cfg.window}")
     check(cfg)
 
 
@@ -260,11 +279,121 @@ def test_changed_keys_are_refused_naming_the_field():
         loader.close()
 
 
-@pytest.mark.parametrize("field,kw", [("shuffle_window", {"shuffle_window": 2}),
-                                      ("samples_per_epoch", {"samples_per_epoch": 12})])
+@pytest.mark.parametrize("field,kw", [("samples_per_epoch", {"samples_per_epoch": 12})])
 def test_unsupported_features_are_refused_naming_the_field(field, kw):
     with pytest.raises(gs.InvalidState, match=f"field '{field}'.*not support it yet"):
         gs.merge_states(_states(**kw))
+
+
+def _window_states(parts=2, stop=1, sizes=(10,) * 6, **overrides):
+    """States of a ``parts``-rank job with a shuffle window of 2, ``stop`` batches in."""
+    kw = dict(batch_size=4, shuffle=True, seed=0, shuffle_window=2)
+    kw.update(overrides)
+    states = []
+    for rank in range(parts):
+        with gs.StreamLoader(gs.FunctionSource(range(len(sizes)), _shard_of(sizes)),
+                             num_parts=parts, part_index=rank, **kw) as loader:
+            train(loader, kw["batch_size"], stop)
+            states.append(loader.state_dict())
+    return states
+
+
+def _shard_of(sizes):
+    return lambda key: np.arange(sizes[key], dtype="float32") + 100 * key
+
+
+def test_a_window_state_without_its_unit_lengths_is_refused_naming_the_field():
+    """A state saved inside a mixed unit must record the lengths of the unit's shards (an
+    older gluon_stream's did not): the merge names the field and the rank."""
+    states = _window_states()
+    assert all(s["unit_lengths"] for s in states)
+    old = {k: v for k, v in states[1].items() if k not in ("unit_lengths", "digest")}
+    old["digest"] = gs._pipeline.state.checksum(old)
+    with pytest.raises(gs.InvalidState, match="field 'unit_lengths': rank 1's state"):
+        gs.merge_states([states[0], old])
+
+
+def test_a_shard_changed_since_a_window_state_was_saved_is_refused_naming_it():
+    """The lengths a state records of a mixed unit's shards decide which of their rows are
+    left: a shard that gives an old rank another count now is refused when a new rank reads
+    it (InvalidState naming the field and the shard), never cut wrongly."""
+    merged = gs.merge_states(_window_states())
+    changed = gs.StreamLoader(gs.FunctionSource(range(6), _shard_of((11,) * 6)), batch_size=4,
+                              shuffle=True, seed=0, shuffle_window=2, num_parts=3, part_index=0)
+    try:
+        changed.load_state_dict(merged)
+        key = next(p.key for p in changed.stream.remainder.pieces
+                   if any(t.expect is not None for t in p.takes))
+        with pytest.raises(gs.InvalidState,
+                           match=rf"field 'unit_lengths'.* of shard {key} of epoch 0"):
+            list(changed)
+    finally:
+        changed.close()
+
+
+@pytest.mark.parametrize("even", [False, True])
+def test_a_window_state_resumes_exactly_on_the_same_world_size(even):
+    """With a shuffle window, a rank's state (which now records its units' lengths) loaded by
+    the same rank of a job of the same size goes on with exactly the batches it would have
+    trained, at every batch of two epochs, with even_batches's balanced strides too."""
+    sizes = (9, 0, 13, 6, 11)
+
+    def loader(rank):
+        return gs.StreamLoader(gs.FunctionSource(range(len(sizes)), id_shards(sizes)),
+                               batch_size=3, shuffle=True, seed=4, shuffle_window=3,
+                               num_parts=2, part_index=rank, even_batches=even,
+                               last_batch="keep" if even else "rollover")
+
+    for rank in range(2):
+        with loader(rank) as whole:
+            reference = epoch_batch_ids(whole, 2)
+        for k in range(1, len(reference)):
+            with loader(rank) as first:
+                head = epoch_batch_ids(first, 2, stop_after=k)
+                state = json.loads(json.dumps(first.state_dict()))
+            with loader(rank) as again:
+                again.load_state_dict(state)
+                tail = epoch_batch_ids(again, 2, start_epoch=state["epoch"])
+            assert head + tail == reference, (rank, k)
+
+
+def test_a_window_carry_of_the_epoch_before_is_resumed_on_another_world_size():
+    """last_batch='rollover' with a shuffle window: a rank that ended epoch 0 stands at epoch
+    1's start holding samples of a mixed unit of epoch 0, while the other rank trained on into
+    epoch 1. Merged, the new ranks train those carried samples and the rest of epoch 1, each
+    once (every epoch's keys are their own: a sample names its epoch)."""
+    def keys(epoch):
+        return [10 * epoch + k for k in range(5)]
+
+    def shard(key):
+        return np.arange(7 + key % 10, dtype="float32") + 1000 * key
+
+    def loader(parts, rank):
+        return gs.StreamLoader(gs.FunctionSource(keys, shard), batch_size=4, shuffle=True,
+                               seed=3, shuffle_window=2, num_parts=parts, part_index=rank,
+                               last_batch="rollover")
+
+    trained, states = [], []
+    for rank, steps in ((0, 0), (1, 1)):  # rank 1 trains one batch of epoch 1 too
+        old = loader(2, rank)
+        trained += train(old, 4, None)[0]
+        old.set_epoch(1)
+        trained += train(old, 4, steps)[0]
+        states.append(old.state_dict())
+        old.close()
+    assert states[0]["epoch"] == 1 and states[0]["carry"] and states[0]["unit_lengths"]
+    merged = gs.merge_states(states)
+    for rank in range(3):
+        new = loader(3, rank)
+        new.load_state_dict(merged)
+        trained += train(new, 4, None)[0]
+        rolled = new.state_dict()["carry"]  # what rolls over into epoch 2
+        new.close()
+        assert all(seg["epoch"] == 1 for seg in rolled)
+    counts = collections.Counter(trained)
+    assert max(counts.values()) == 1, {v: c for v, c in counts.items() if c > 1}
+    every = {v for e in (0, 1) for k in keys(e) for v in shard(k).tolist()}
+    assert set(counts) <= every and len(every - set(counts)) < 3 * 4  # epoch 1's rollover
 
 
 def test_edited_or_foreign_states_are_refused():
@@ -297,21 +426,24 @@ def test_an_empty_list_or_a_merged_state_is_refused_saying_so():
             gs.merge_states(given)
 
 
-def test_merge_cost_for_64_ranks():
-    """The cost of merging 64 ranks' states (printed: median of runs), and of loading it."""
+@pytest.mark.parametrize("window", [1, 4])
+def test_merge_cost_for_64_ranks(window):
+    """The cost of merging 64 ranks' states (printed: median of runs), and of loading it
+    (with a shuffle window: the units each rank stands in cut shard by shard)."""
     keys, parts = range(256), 64
     states = []
     for rank in range(parts):
         loader = gs.StreamLoader(gs.FunctionSource(keys, lambda k: np.arange(50.0)),
                                  batch_size=8, shuffle=True, seed=0, num_parts=parts,
-                                 part_index=rank, shard_sizes=50)
+                                 part_index=rank, shard_sizes=50, shuffle_window=window)
         it = iter(loader)
         next(it)
         states.append(loader.state_dict())
         loader.close()
     merge_ms, load_ms = [], []
     loader = gs.StreamLoader(gs.FunctionSource(keys, lambda k: np.arange(50.0)), batch_size=8,
-                             shuffle=True, seed=0, num_parts=48, part_index=5, shard_sizes=50)
+                             shuffle=True, seed=0, num_parts=48, part_index=5, shard_sizes=50,
+                             shuffle_window=window)
     try:
         for _ in range(7):
             t0 = time.perf_counter()
@@ -324,7 +456,8 @@ def test_merge_cost_for_64_ranks():
         count = len(loader)
     finally:
         loader.close()
-    print(f"\nmerge_states of {parts} ranks' states ({len(keys)} shards): median "
+    print(f"\nmerge_states of {parts} ranks' states ({len(keys)} shards, shuffle_window="
+          f"{window}; a rank's state {len(json.dumps(states[0]))} bytes): median "
           f"{statistics.median(merge_ms):.2f} ms; load_state_dict of the merge on a rank of 48: "
           f"median {statistics.median(load_ms):.2f} ms; {len(json.dumps(merged))} bytes of JSON")
     assert count == (256 * 50 - 64 * 8) // 48 // 8  # every rank an equal share of the rest
@@ -510,7 +643,8 @@ def test_a_mix_resumed_on_another_world_size_and_a_changed_mix_refused():
         other.close()
 
 
-def test_failing_shards_skipped_before_and_after_a_resize():
+@pytest.mark.parametrize("window", [1, 3])
+def test_failing_shards_skipped_before_and_after_a_resize(window):
     def shard(key):
         if key == 3:
             raise RuntimeError("shard 3 cannot be made")
@@ -518,7 +652,8 @@ def test_failing_shards_skipped_before_and_after_a_resize():
 
     def loader(parts, rank):
         return gs.StreamLoader(gs.FunctionSource(range(8), shard), batch_size=4, shuffle=True,
-                               seed=1, num_parts=parts, part_index=rank, on_error="skip")
+                               seed=1, num_parts=parts, part_index=rank, on_error="skip",
+                               shuffle_window=window)
 
     trained, merged = _stop_and_merge(loader, 3, stop=4)
     trained += _resume_rows(loader, 2, merged)
@@ -530,12 +665,13 @@ def _plus_zero(x):
     return x
 
 
-def test_num_workers_may_change_at_a_resize():
+@pytest.mark.parametrize("window", [1, 2])
+def test_num_workers_may_change_at_a_resize(window):
     """Slices on 2 ranks, then per-sample work in 2 worker processes on each of 3 ranks."""
     def loader(parts, rank, **kw):
         return gs.StreamLoader(gs.FunctionSource(range(6), lambda k: np.arange(11.0) + 100 * k),
                                batch_size=4, shuffle=True, seed=5, num_parts=parts,
-                               part_index=rank, even_batches="pad", **kw)
+                               part_index=rank, even_batches="pad", shuffle_window=window, **kw)
 
     trained, states = [], []
     for rank in range(2):

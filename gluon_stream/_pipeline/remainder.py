@@ -12,20 +12,32 @@ rank reads whole, each taking its stride of every piece's rows (the even rules o
 Nothing here needs a shard's rows until it is produced: a take knows how to cut a shard's row
 order of any length. A remainder can itself be interrupted and merged again: a take's source is
 then an earlier remainder's piece (``parent``), resolved the same way.
+
+With a shuffle window (``shuffle_window = k > 1``) an old rank that stands in mixed unit ``t``
+has read part of up to ``k`` shards: of each shard ``j`` in ``t - k + 1 .. t``, the rows of
+slice ``t - j`` the unit's first positions held (:class:`~gluon_stream._pipeline.batching.
+WindowMixer`). Which rows those are depends on the lengths of all of the unit's shards, so the
+rank's state records them (``unit_lengths``); a take of such a shard is then "the rows of
+positions ``start .. stop`` of that unit which are this shard's" (:class:`Mixed`), and its later
+slices a plain take from where they start. Both expect the shard to hold the recorded number
+of rows for the old rank, and refuse it (InvalidState naming the shard) if it does not. The
+remainder's pieces are then read as any epoch's shards are, mixed by the window again.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
+from .batching import Position, mixed_order, window_slice
 from .keys import part_endless
 from .sizes import part_count, part_rows, stride_of
-from .state import keys_digest
+from .state import keys_digest, unit_lengths
 from ..errors import InvalidState
 
-__all__ = ["Drawn", "Piece", "Remainder", "Take", "remainder_deal", "resolve"]
+__all__ = ["Drawn", "Mixed", "Piece", "Remainder", "Take", "remainder_deal", "resolve"]
 
 #: ``keys_of(epoch, parts, part, deal)``: a part's shard order in an epoch (the loader's deal).
 KeysOf = Callable[[int, int, int, str], Sequence[Any]]
@@ -66,10 +78,57 @@ def remainder_deal(deal: str) -> str:
     return "samples" if deal in ("samples", "balanced") else "strides"
 
 
+@functools.lru_cache(maxsize=64)
+def _mixed(window: int, seed: int, epoch: int, unit: int, lengths: tuple[int, ...]
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`~gluon_stream._pipeline.batching.mixed_order`, kept for the takes of one unit
+    (one per shard of it, each cut and counted more than once)."""
+    shards, rows = mixed_order(window, seed, epoch, unit, lengths)
+    shards.setflags(write=False)
+    rows.setflags(write=False)
+    return shards, rows
+
+
+@dataclass(frozen=True)
+class Mixed:
+    """Shard ``shard``'s samples among positions ``start .. stop`` of mixed unit ``unit`` of
+    epoch ``epoch`` (a shuffle window of ``window`` shards, ``seed``), built from ``lengths``,
+    the samples of the unit's shards as the old rank read them; ``held``: how many there
+    are (counted once: sizes and batch counts ask often)."""
+
+    window: int
+    seed: int
+    epoch: int
+    unit: int
+    lengths: tuple[int, ...]
+    shard: int
+    start: int
+    stop: int | None
+    held: int
+
+    @classmethod
+    def of(cls, window: int, seed: int, epoch: int, unit: int, lengths: tuple[int, ...],
+           shard: int, start: int, stop: int | None) -> "Mixed":
+        shards, _ = _mixed(window, seed, epoch, unit, lengths)
+        held = int(np.count_nonzero(shards[start:stop] == shard))
+        return cls(window, seed, epoch, unit, lengths, shard, start, stop, held)
+
+    def rows(self) -> np.ndarray:
+        """The shard's rows (in its own order, as the old rank read it) among the positions,
+        in the unit's order."""
+        shards, rows = _mixed(self.window, self.seed, self.epoch, self.unit, self.lengths)
+        return rows[self.start:self.stop][shards[self.start:self.stop] == self.shard]
+
+
 @dataclass(frozen=True)
 class Take:
     """Rows ``start .. stop`` (None: to the end) of what part ``part`` of ``parts`` read of a
-    source dealt by ``deal``: the shard's own row order, or an earlier remainder's piece."""
+    source dealt by ``deal``: the shard's own row order, or an earlier remainder's piece.
+
+    ``mixed``: the take is the rows of a mixed unit's positions that are its shard's (in place
+    of ``start .. stop``). ``expect``: the rows the part read of the source, as its state
+    recorded them (a shuffle window's); a source that gives another count now is refused.
+    """
 
     parent: Optional["Piece"]
     parts: int
@@ -77,12 +136,29 @@ class Take:
     deal: str
     start: int
     stop: int | None
+    expect: int | None = None
+    mixed: Mixed | None = None
 
-    def rows(self, order: np.ndarray) -> np.ndarray:
-        source = order if self.parent is None else self.parent.rows(order)
-        return part_rows(source, self.parts, self.part, self.deal)[self.start:self.stop]
+    def rows(self, order: np.ndarray, name: str = "the shard") -> np.ndarray:
+        source = order if self.parent is None else self.parent.rows(order, name)
+        read = part_rows(source, self.parts, self.part, self.deal)
+        if self.expect is not None and len(read) != self.expect:
+            raise InvalidState(
+                f"field 'unit_lengths': part {self.part} of {self.parts} read {self.expect} "
+                f"row(s) of {name} (its state records them for a shuffle window's unit), which "
+                f"gives it {len(read)} now: the shard changed since the state was saved; "
+                "resuming would repeat or skip samples. Resume with the data it was saved with")
+        if self.mixed is not None:
+            return read[self.mixed.rows()]
+        return read[self.start:self.stop]
 
     def count(self, full: int) -> int:
+        """How many rows the take holds of a shard of ``full`` rows (a recorded count, where
+        the state holds one: the rows, once read, are checked against it)."""
+        if self.mixed is not None:
+            return self.mixed.held
+        if self.expect is not None:
+            return len(range(self.expect)[self.start:self.stop])
         n = full if self.parent is None else self.parent.count(full)
         return len(range(n)[:part_count(n, self.parts, self.part, self.deal)]
                    [self.start:self.stop])
@@ -96,9 +172,10 @@ class Piece:
     key: Any
     takes: tuple[Take, ...]
 
-    def rows(self, order: np.ndarray) -> np.ndarray:
+    def rows(self, order: np.ndarray, name: str | None = None) -> np.ndarray:
         """The rows left, given the shard's own row order (all its rows)."""
-        return np.concatenate([t.rows(order) for t in self.takes])
+        name = name or f"shard {self.key!r} of epoch {self.epoch}"
+        return np.concatenate([t.rows(order, name) for t in self.takes])
 
     def count(self, full: int) -> int:
         """How many rows are left of a shard of ``full`` rows."""
@@ -210,7 +287,8 @@ def resolve(spec: Mapping[str, Any], keys_of: KeysOf,
             lists[(e, rank)] = list(keys_of(e, parts, rank, deal))
         return lists[(e, rank)]
 
-    def take(e: int, unit: int, rank: int, start: int, stop: int | None) -> tuple[tuple, Take]:
+    def take(e: int, unit: int, rank: int, start: int, stop: int | None,
+             expect: int | None = None, mixed: Mixed | None = None) -> tuple[tuple, Take]:
         found = units(e, rank)
         if unit >= len(found):
             raise InvalidState(f"the state of rank {rank} refers to shard {unit} of epoch {e}, "
@@ -219,19 +297,25 @@ def resolve(spec: Mapping[str, Any], keys_of: KeysOf,
         if isinstance(item, Piece):
             turn = stride_of(rank, parts, remainder_deal(deal), turns[unit] if turns else None)
             return (item.epoch, item.key), Take(item, parts, turn, remainder_deal(deal),
-                                                start, stop)
+                                                start, stop, expect, mixed)
         if deal == "balanced" and parts > 1 and e == epoch and tail_at is not None \
                 and unit >= tail_at:  # the tail read before: equal strides, as its pieces
-            return (e, item), Take(None, parts, rank, "samples", start, stop)
+            return (e, item), Take(None, parts, rank, "samples", start, stop, expect, mixed)
         if deal == "balanced" and parts > 1:
             return (e, item), Take(None, parts, stride_of(rank, parts, deal, before.get(unit)),
-                                   "strides", start, stop)
-        return (e, item), Take(None, parts, rank, deal, start, stop)
+                                   "strides", start, stop, expect, mixed)
+        return (e, item), Take(None, parts, rank, deal, start, stop, expect, mixed)
+
+    window = int(spec.get("window", 1))
 
     per_rank: list[list[tuple[tuple, Take]]] = []
     for rank, saved in enumerate(spec["ranks"]):
         _check_rank_keys(saved, [p.key if isinstance(p, Piece) else p
                                  for p in units(epoch, rank)], epoch, rank)
+        if window > 1:
+            per_rank.append(_WindowCuts(saved, rank, epoch, window, spec["seed"], units,
+                                        take).takes())
+            continue
         takes = [take(e, u, rank, a, b) for e, u, a, b in saved["carry"]]
         if not saved["end"] and saved["unit"] > len(units(epoch, rank)):
             raise InvalidState(f"the state of rank {rank} stands at shard {saved['unit']} of "
@@ -249,6 +333,92 @@ def resolve(spec: Mapping[str, Any], keys_of: KeysOf,
                 grouped.setdefault(takes[i][0], []).append(takes[i][1])
     pieces = tuple(Piece(e, key, tuple(t)) for (e, key), t in grouped.items())
     return Remainder(epoch, pieces, spec, drawn if endless else None, tail_start)
+
+
+class _WindowCuts:
+    """What is left of the shards an old rank read with a shuffle window of ``window``: the
+    rest of the mixed units its position and carry refer to, shard by shard, cut by the
+    lengths its state records (``unit_lengths``), then its shards after them, whole."""
+
+    def __init__(self, saved: Mapping[str, Any], rank: int, epoch: int, window: int,
+                 seed: int, units: Callable[[int, int], list],
+                 take: Callable[..., tuple[tuple, Take]]) -> None:
+        self.saved, self.rank, self.epoch, self.window, self.seed = (saved, rank, epoch,
+                                                                     window, seed)
+        self.units, self.take = units, take
+        self.lengths = unit_lengths(saved.get("unit_lengths", []), window, epoch)
+
+    def takes(self) -> list[tuple[tuple, Take]]:
+        """The rank's takes in order: its carry, the rest of its unit's shards, the shards
+        after them."""
+        saved, epoch = self.saved, self.epoch
+        out = [t for e, u, a, b in saved["carry"] for t in self._positions(e, u, a, b)]
+        if saved["end"]:
+            return out
+        unit, offset = saved["unit"], saved["offset"]
+        count = len(self.units(epoch, self.rank))
+        if unit > count + self.window - 1:
+            raise InvalidState(f"the state of rank {self.rank} stands at mixed unit {unit} of "
+                               f"epoch {epoch}, which has {count + self.window - 1}: the keys "
+                               "changed since it was saved")
+        read = Position(epoch, unit, offset).last_read
+        if read >= 0:
+            if offset:
+                out += self._positions(epoch, read, offset, None)
+            out += self._later(epoch, read)
+        return out + [self.take(epoch, j, self.rank, 0, None)
+                      for j in range(max(read + 1, 0), count)]
+
+    def _shards(self, e: int, unit: int) -> tuple[tuple[int, ...], range]:
+        """The recorded lengths of mixed unit ``unit`` of epoch ``e``, and the positions of its
+        shards that exist."""
+        rank, window = self.rank, self.window
+        if (e, unit) not in self.lengths:
+            raise InvalidState(
+                f"field 'unit_lengths': the state of rank {rank} does not record the lengths of "
+                f"the shards of mixed unit {unit} of epoch {e}, which it read part of (saved by "
+                "an older gluon_stream?): save it again with this one, or resume on the same "
+                "number of ranks")
+        lengths = self.lengths[(e, unit)]
+        count, first = len(self.units(e, rank)), unit - window + 1
+        if unit >= count + window - 1 or any(lengths[j - first] for j in
+                                             range(max(count, first), unit + 1)):
+            raise InvalidState(
+                f"field 'unit_lengths': the state of rank {rank} records samples of mixed unit "
+                f"{unit} of epoch {e} in shards past the {count} of its keys now: the keys "
+                "changed since it was saved")
+        return lengths, range(max(0, first), min(unit + 1, count))
+
+    def _positions(self, e: int, unit: int, start: int, stop: int | None) -> list:
+        """Takes of positions ``start .. stop`` of mixed unit ``unit`` of epoch ``e``: the
+        rows of each of its shards among them."""
+        lengths, shards = self._shards(e, unit)
+        first = unit - self.window + 1
+        size = len(_mixed(self.window, self.seed, e, unit, lengths)[0])
+        if start > size or (stop is not None and stop > size):
+            raise InvalidState(
+                f"the state of rank {self.rank} refers to samples {start}..{stop} of mixed unit "
+                f"{unit} of epoch {e}, whose recorded shards hold {size} (field "
+                "'unit_lengths'): the state does not match itself")
+        out = []
+        for j in shards:
+            mixed = Mixed.of(self.window, self.seed, e, unit, lengths, j, start, stop)
+            if mixed.held:
+                out.append(self.take(e, j, self.rank, 0, None, lengths[j - first], mixed))
+        return out
+
+    def _later(self, e: int, unit: int) -> list:
+        """Takes of the slices after mixed unit ``unit``'s of each of its shards (the units
+        after it read them)."""
+        lengths, shards = self._shards(e, unit)
+        first = unit - self.window + 1
+        out = []
+        for j in shards:
+            part, n = unit - j + 1, lengths[j - first]
+            begin = window_slice(n, self.window, part)[0] if part < self.window else n
+            if begin < n:
+                out.append(self.take(e, j, self.rank, begin, None, n))
+        return out
 
 
 def _units_named(saved: Mapping[str, Any], epoch: int) -> list:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
 
 from .._utils.closing import WAIT_SLICE_S
 from .._utils.retry import ErrorPolicy, is_permanent
-from ..errors import LoaderClosed, add_note
+from ..errors import InvalidState, LoaderClosed, add_note
 from ..records import ShardRecord
 from .offsets import Deferred, RowOffsets
 from .shard import Prepare, Shard
@@ -406,6 +406,8 @@ class EpochRun:
                 shard = self._result(fut, key)
                 stream.check_schema(shard)
             except (LoaderClosed, KeyboardInterrupt, cf.CancelledError):
+                raise
+            except InvalidState:  # a resumed state does not fit the shard: never skipped
                 raise
             except Deferred:  # it waited for a shard before it that failed, and is made again
                 fut = self._submit(key, index)
