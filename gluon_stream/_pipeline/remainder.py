@@ -78,11 +78,11 @@ def remainder_deal(deal: str) -> str:
     return "samples" if deal in ("samples", "balanced") else "strides"
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=8)
 def _mixed(window: int, seed: int, epoch: int, unit: int, lengths: tuple[int, ...]
            ) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`~gluon_stream._pipeline.batching.mixed_order`, kept for the takes of one unit
-    (one per shard of it, each cut and counted more than once)."""
+    """:func:`~gluon_stream._pipeline.batching.mixed_order`, kept a while for the takes of one
+    unit (one per shard of it, made in a row); a few units only: each is as long as a shard."""
     shards, rows = mixed_order(window, seed, epoch, unit, lengths)
     shards.setflags(write=False)
     rows.setflags(write=False)
