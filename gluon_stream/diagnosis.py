@@ -163,6 +163,8 @@ class Diagnosis:
                          f"{ev['tuned_producers']:.0f}" + (
                              f", num_workers {ev['tuned_num_workers']:.0f}"
                              if "tuned_num_workers" in ev else "")
+                         + (f", generate_ahead {ev['tuned_generate_ahead']:.0f}"
+                            if "tuned_generate_ahead" in ev else "")
                          + f" ({ev['tuning_changes']:.0f} changes; {limited})")
         return "\n".join(lines)
 
@@ -209,6 +211,8 @@ def diagnose(epochs: Sequence["EpochRecord"], shards: Iterable["ShardRecord"],
                             tuning_changes=float(len(tuning)), budget_limited=float(limited))
     if settings.per_sample:
         verdict.evidence["tuned_num_workers"] = float(tuned["num_workers"])
+    if "generate_ahead" in tuned:  # it followed prefetch into a cache
+        verdict.evidence["tuned_generate_ahead"] = float(tuned["generate_ahead"])
     if limited and verdict.bottleneck in _PHASES:
         budget = format_bytes(budget_bytes)
         return Diagnosis(verdict.bottleneck, f"memory_budget={budget} held the tuned settings "

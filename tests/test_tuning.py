@@ -338,7 +338,11 @@ def test_a_program_generates_the_next_shard_while_the_first_one_loads(tmp_path):
     starts = sorted((at, key) for (what, key), at in times.items() if what == "start")
     (_, first), (second_start, _) = starts[:2]
     assert second_start < times[("end", first)]  # side by side, not one after the other
-    assert ("prefetch", 0, 2) in [(r.setting, r.old, r.new) for r in tuned.stats.tuning]
+    changes = [(r.setting, r.old, r.new) for r in tuned.stats.tuning]
+    assert ("prefetch", 0, 2) in changes
+    # generate_ahead='auto' follows prefetch (two windows' worth), and says so
+    assert ("generate_ahead", 2, 6) in changes
+    assert "generate_ahead 6" in str(tuned.stats.diagnose())
     fixed = loader(tmp_path / "fixed", prefetch=2, producers=1)
     again = [b.asnumpy() for b in fixed]
     assert len(again) == len(got) and all(np.array_equal(a, b) for a, b in zip(got, again))

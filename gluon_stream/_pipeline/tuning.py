@@ -328,9 +328,11 @@ class TunableWorkers(Protocol):
 
 
 class Tunable(Protocol):
-    """What the tuner reads and moves: a :class:`~gluon_stream.ShardStream`."""
+    """What the tuner reads and moves: a :class:`~gluon_stream.ShardStream` (its
+    ``generate_ahead``, with ``'auto'``, follows ``prefetch``: the tuner records that too)."""
 
     prefetch: int
+    generate_ahead: int
 
     @property
     def producers(self) -> int:
@@ -433,6 +435,7 @@ class Tuner:
         setters = {"producers": self.target.set_producers, "prefetch": self.target.set_prefetch,
                    "num_workers": self.workers.set_active if self.workers is not None
                    else None}
+        ahead = getattr(self.target, "generate_ahead", None)
         for name, before, after in sorted(
                 (("producers", old.producers, new.producers),
                  ("prefetch", old.prefetch, new.prefetch),
@@ -442,6 +445,17 @@ class Tuner:
             if before == after or setter is None:
                 continue
             setter(after)
-            logger.info("%s %d\u2192%d: %s", name, before, after, decision.reason)
-            self.record(TuningRecord(now, epoch, name, before, after, decision.reason,
-                                     decision.limited))
+            self._log(now, epoch, name, before, after, decision)
+        after_ahead = getattr(self.target, "generate_ahead", None)
+        if ahead is not None and after_ahead is not None and after_ahead != ahead:
+            self._log(now, epoch, "generate_ahead", ahead, after_ahead, replace(
+                decision, reason=f"follows prefetch {new.prefetch}: {after_ahead} shards "
+                                 "generated ahead into the cache (disk, not memory: outside "
+                                 "the budget), two windows' worth within any cache_limit"))
+
+    def _log(self, now: float, epoch: int, name: str, before: int, after: int,
+             decision: Decision) -> None:
+        """Log one change at INFO with its reason, and record it."""
+        logger.info("%s %d\u2192%d: %s", name, before, after, decision.reason)
+        self.record(TuningRecord(now, epoch, name, before, after, decision.reason,
+                                 decision.limited))
