@@ -480,6 +480,29 @@ class ShardStream(Closing):
             ahead = self._next_run = self._new_run(epoch, 0, prepare)
         return ahead
 
+    def counted_size(self, key: Any, epoch: int) -> int:
+        """A shard's samples after the transform: known ahead or seen (see
+        :meth:`ShardSizes.full_size`), else counted by producing it whole in the calling thread
+        (a cache hit with a ``cache_dir``), and remembered. An elastic resume of
+        ``samples_per_epoch`` walks the ranks' streams by them. A shard that fails with
+        ``on_error='skip'`` holds 0 (a pass reading it skips it)."""
+        n = self.sizes.full_size(key, epoch)
+        if n is not None:
+            return n
+        try:
+            n = self.produce_now(key, epoch, whole=True).full_size
+        except (LoaderClosed, InvalidState):
+            raise
+        except Exception as exc:  # as a pass would: skipped, or raised
+            if self.on_error != "skip":
+                raise
+            logger.warning("shard %r of epoch %d failed while its samples were counted "
+                           "(%s: %s): it counts as 0 samples, as a pass skips it", key, epoch,
+                           type(exc).__name__, exc)
+            return 0
+        self.sizes.remember(key, epoch, n)
+        return n
+
     def produce_now(self, key: Any, epoch: int, prepare: Prepare | None = None,
                     index: int = -1, whole: bool = False, before: int | None = None) -> Shard:
         """Produce one shard in the calling thread, exactly as the producers would (for resume;

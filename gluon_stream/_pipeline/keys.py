@@ -16,8 +16,12 @@ import numpy as np
 from .._utils.random import seeded_rng
 from ..errors import StreamError, UnsafeKey
 
-__all__ = ["KeyTape", "Keys", "MAX_KEY_LENGTH", "check_keys", "keys_for_epoch", "part_endless",
-           "part_keys", "validate_key"]
+#: samples_per_epoch: passes over the keys in a row that give a part no sample, at most (then
+#: the stream is empty: an error, or where an elastic resume counts a part's samples, its end)
+EMPTY_PASSES = 16
+
+__all__ = ["EMPTY_PASSES", "KeyTape", "Keys", "MAX_KEY_LENGTH", "check_keys", "keys_for_epoch",
+           "part_endless", "part_keys", "validate_key"]
 
 Keys = Union[Sequence[Any], Iterable[Any], Callable[[int], Iterable[Any]]]
 

@@ -32,15 +32,19 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 import numpy as np
 
 from .batching import Position, mixed_order, window_slice
-from .keys import part_endless
-from .sizes import part_count, part_rows, stride_of
+from .keys import EMPTY_PASSES, part_endless
+from .sizes import part_count, part_rows, stride_of, stride_turn
 from .state import keys_digest, unit_lengths
 from ..errors import InvalidState
 
-__all__ = ["Drawn", "Mixed", "Piece", "Remainder", "Take", "remainder_deal", "resolve"]
+__all__ = ["Drawn", "Mixed", "PartStream", "Piece", "Remainder", "Stretch", "Take",
+           "remainder_deal", "resolve"]
 
 #: ``keys_of(epoch, parts, part, deal)``: a part's shard order in an epoch (the loader's deal).
 KeysOf = Callable[[int, int, int, str], Sequence[Any]]
+#: ``size_of(key, epoch)``: a shard's samples after the transform, before the parts take theirs
+#: (known ahead, or counted by producing it: ``ShardStream.counted_size``).
+SizeOf = Callable[[Any, int], int]
 
 
 class Drawn:
@@ -69,6 +73,95 @@ class Drawn:
 
 
 _GONE = object()
+
+
+@dataclass(frozen=True)
+class Stretch:
+    """Rows ``start .. stop`` of a part's rows of the shard ``key`` at position ``unit`` of
+    pass ``epoch`` over the keys (``full``: the shard's samples)."""
+
+    epoch: int
+    unit: int
+    key: Any
+    start: int
+    stop: int
+    full: int
+
+
+class PartStream:
+    """``samples_per_epoch``: part ``part`` of ``parts``' stream of samples as a job of
+    ``parts`` ranks deals it (``deal``): its shards of pass 0 over the keys, then of pass 1, ...
+    (``keys_of``), or of the one pass of an endless iterator (``drawn``), each shard's rows
+    for the part counted from its size (``size_of``). An elastic resume walks it: what is left
+    of an old rank's epoch, and where a fresh job's epoch starts in a new rank's stream."""
+
+    def __init__(self, parts: int, part: int, deal: str, keys_of: KeysOf, size_of: SizeOf,
+                 drawn: Drawn | None = None) -> None:
+        self.parts, self.part, self.deal = parts, part, deal
+        self._keys_of, self._size_of, self._drawn = keys_of, size_of, drawn
+        self._lists: dict[int, list] = {}
+
+    def keys(self, epoch: int) -> list | None:
+        """The part's key list of pass ``epoch`` (None: an endless iterator's)."""
+        if self._drawn is not None:
+            return None
+        if epoch not in self._lists:
+            self._lists[epoch] = list(self._keys_of(epoch, self.parts, self.part, self.deal))
+        return self._lists[epoch]
+
+    def key(self, epoch: int, unit: int) -> Any:
+        """The key at position ``unit`` of pass ``epoch`` (``_GONE`` past the pass's keys)."""
+        keys = self.keys(epoch)
+        if keys is not None:
+            return keys[unit] if unit < len(keys) else _GONE
+        assert self._drawn is not None
+        if epoch:  # an endless iterator is one pass
+            return _GONE
+        dealt = self.deal == "shards" and self.parts > 1  # every parts-th key (part_endless)
+        index = unit * self.parts + self.part if dealt else unit
+        drawn = self._drawn.upto(index + 1)
+        return drawn[index] if index < len(drawn) else _GONE
+
+    def rows(self, epoch: int, unit: int, key: Any) -> tuple[int, int]:
+        """(the shard's samples, the part's rows of them) at position ``unit`` of ``epoch``."""
+        full = self._size_of(key, epoch)
+        turn = stride_turn(self.deal, epoch, unit, None)
+        return full, part_count(full, self.parts, self.part, self.deal, turn)
+
+    def take(self, epoch: int, unit: int, start: int, stop: int | None) -> Take:
+        """Rows ``start .. stop`` of the part's rows of the shard at ``unit`` of ``epoch``."""
+        turn = stride_turn(self.deal, epoch, unit, None)
+        if turn is None:
+            return Take(None, self.parts, self.part, self.deal, start, stop)
+        return Take(None, self.parts, stride_of(self.part, self.parts, self.deal, turn),
+                    "strides", start, stop)  # its stride, turned as the shard's position says
+
+    def walk(self, epoch: int, unit: int, offset: int, count: int
+             ) -> tuple[list[Stretch], Position]:
+        """The next ``count`` samples from row ``offset`` of the shard at ``unit`` of pass
+        ``epoch``: the stretches of shards that hold them, and the position after them. Fewer
+        where the stream ends: an endless iterator that ends, or :data:`EMPTY_PASSES` passes
+        in a row without a sample (an epoch reading it would stop there too)."""
+        out: list[Stretch] = []
+        empty, read, whole = 0, 0, not unit and not offset
+        while count > 0:
+            key = self.key(epoch, unit)
+            if key is _GONE:  # the pass is over: the next one (a key list's)
+                empty = empty + 1 if whole and not read else 0
+                if self._drawn is not None or empty >= EMPTY_PASSES:
+                    break
+                epoch, unit, offset, read, whole = epoch + 1, 0, 0, 0, True
+                continue
+            full, rows = self.rows(epoch, unit, key)
+            n = max(0, min(rows - offset, count))
+            if n:
+                out.append(Stretch(epoch, unit, key, offset, offset + n, full))
+                count, read = count - n, read + n
+            if offset + n >= rows:
+                unit, offset = unit + 1, 0
+            else:
+                offset += n
+        return out, Position(epoch, unit, offset)
 
 
 def remainder_deal(deal: str) -> str:
@@ -194,6 +287,15 @@ class Remainder:
     #: ``tail_start``), read after the pieces as a fresh job of the new size deals them
     tail: Optional[Drawn] = None
     tail_start: int = 0
+    #: samples_per_epoch: each piece's shard's samples, counted at the merge (every rank
+    #: alike): the pieces are the epoch, read as one pass, and the next epoch starts where a
+    #: fresh job of the new size starts it (None: the keys' epochs, sizes as the stream knows)
+    sizes: Optional[tuple[int, ...]] = None
+
+    @property
+    def fixed(self) -> bool:
+        """Whether it is the rest of an epoch of ``samples_per_epoch`` samples."""
+        return self.sizes is not None
 
     @property
     def keys(self) -> list:
@@ -235,22 +337,31 @@ class Remainder:
 
 def resolve(spec: Mapping[str, Any], keys_of: KeysOf,
             endless_of: Callable[[int], Iterator[Any]] | None = None,
-            drawn: Drawn | None = None) -> Remainder:
+            drawn: Drawn | None = None, size_of: SizeOf | None = None) -> Remainder:
     """The remainder a merged state's ``spec`` describes, its shards named by ``keys_of``
     (endless keys: by ``endless_of(epoch)``, the iterator drawn anew from its beginning).
+
+    With ``samples_per_epoch`` (``spec["samples_per_epoch"]``) an old rank that read its own
+    stream leaves the rest of its epoch's quota: its stream from its position for as many
+    samples as its epoch had still to read, cut where the shards' sizes (``size_of``, every
+    rank alike) say; the remainder records those sizes.
 
     Raises:
         InvalidState: an old rank's keys are not those its state was saved with, or a
             position lies outside them.
     """
     epoch, parts, deal = spec["epoch"], spec["parts"], spec["deal"]
-    endless = bool(spec.get("endless"))
+    quota = spec.get("samples_per_epoch")
+    endless = bool(spec.get("endless")) and quota is None
     if endless and (drawn is None or drawn.epoch != epoch):
         if endless_of is None:
             raise InvalidState("the state was saved reading endless keys: this loader's keys "
                                "are a list (field 'keys'); build it with the same keys")
         drawn = Drawn(epoch, endless_of(epoch))
-    prior = resolve(spec["prior"], keys_of, endless_of, drawn) if spec.get("prior") else None
+    prior = resolve(spec["prior"], keys_of, endless_of, drawn, size_of) \
+        if spec.get("prior") else None
+    full_of: dict[tuple, int] = {}  # samples_per_epoch: (epoch, key) -> the shard's samples
+    own = _Quotas(spec, keys_of, endless_of, size_of, full_of) if quota is not None else None
     # which stride of each of its pieces a rank read (saved with its state: see stride_of)
     turns = spec["prior"].get("turns") if prior is not None else None
     # deal='balanced': the rows before the shards the ranks stood in, which turn their strides
@@ -294,6 +405,8 @@ def resolve(spec: Mapping[str, Any], keys_of: KeysOf,
             raise InvalidState(f"the state of rank {rank} refers to shard {unit} of epoch {e}, "
                                f"which has {len(found)}: the keys changed since it was saved")
         item = found[unit]
+        if isinstance(item, Piece) and prior is not None and prior.sizes is not None:
+            full_of[(item.epoch, item.key)] = prior.sizes[unit]
         if isinstance(item, Piece):
             turn = stride_of(rank, parts, remainder_deal(deal), turns[unit] if turns else None)
             return (item.epoch, item.key), Take(item, parts, turn, remainder_deal(deal),
@@ -310,6 +423,9 @@ def resolve(spec: Mapping[str, Any], keys_of: KeysOf,
 
     per_rank: list[list[tuple[tuple, Take]]] = []
     for rank, saved in enumerate(spec["ranks"]):
+        if own is not None and "pass" in saved:  # read its own stream: the rest of its quota
+            per_rank.append(own.takes(saved, rank))
+            continue
         _check_rank_keys(saved, [p.key if isinstance(p, Piece) else p
                                  for p in units(epoch, rank)], epoch, rank)
         if window > 1:
@@ -332,7 +448,88 @@ def resolve(spec: Mapping[str, Any], keys_of: KeysOf,
             if i < len(takes):
                 grouped.setdefault(takes[i][0], []).append(takes[i][1])
     pieces = tuple(Piece(e, key, tuple(t)) for (e, key), t in grouped.items())
-    return Remainder(epoch, pieces, spec, drawn if endless else None, tail_start)
+    sizes = None
+    if own is not None:
+        assert size_of is not None  # _Quotas refused a spec without it
+        sizes = tuple(full_of[p.epoch, p.key] if (p.epoch, p.key) in full_of
+                      else size_of(p.key, p.epoch) for p in pieces)
+    return Remainder(epoch, pieces, spec, drawn if endless else None, tail_start, sizes)
+
+
+class _Quotas:
+    """``samples_per_epoch``: what is left of the epoch of each old rank that read its own
+    stream (not an earlier remainder): the samples it carried, then its stream from its
+    position for the rest of its epoch's ``samples_per_epoch`` (a :class:`PartStream` of the
+    old job's deal, walked with the shards' sizes; ``full_of`` gets them)."""
+
+    def __init__(self, spec: Mapping[str, Any], keys_of: KeysOf,
+                 endless_of: Callable[[int], Iterator[Any]] | None, size_of: SizeOf | None,
+                 full_of: dict[tuple, int]) -> None:
+        if size_of is None:
+            raise InvalidState("field 'samples_per_epoch': the remainder of an epoch of "
+                               "samples_per_epoch is cut by the shards' sizes; none were given")
+        self.spec, self.full_of = spec, full_of
+        sizes: dict[tuple, int] = {}
+
+        def sized(key: Any, epoch: int) -> int:  # each shard counted once, for every rank
+            if (epoch, key) not in sizes:
+                sizes[(epoch, key)] = size_of(key, epoch)
+            return sizes[(epoch, key)]
+
+        drawn = endless_drawn(endless_of) if spec.get("endless") else None
+        self.streams = [PartStream(spec["parts"], rank, spec["deal"], keys_of, sized, drawn)
+                        for rank in range(spec["parts"])]
+
+    def takes(self, saved: Mapping[str, Any], rank: int) -> list[tuple[tuple, Take]]:
+        """The rank's takes in order: its carry, then the rest of its quota."""
+        stream, out = self.streams[rank], []
+        for e, u, a, b in saved["carry"]:
+            out.append(self._take(stream, rank, e, u, a, b))
+        if saved["end"]:
+            return out
+        epoch, unit, offset = saved["pass"], saved["unit"], saved["offset"]
+        keys = stream.keys(epoch)
+        if keys is not None:
+            _check_rank_keys(saved, keys, epoch, rank)
+        key = stream.key(epoch, unit)
+        if key is not _GONE and offset > stream.rows(epoch, unit, key)[1]:
+            raise InvalidState(f"the state of rank {rank} stands at row {offset} of shard "
+                               f"{key!r} of pass {epoch}, which gives it "
+                               f"{stream.rows(epoch, unit, key)[1]} now: the data changed "
+                               "since it was saved")
+        left = self.spec["samples_per_epoch"] - saved["taken"]
+        for s in stream.walk(epoch, unit, offset, left)[0]:
+            self.full_of[(s.epoch, s.key)] = s.full
+            out.append(((s.epoch, s.key), stream.take(s.epoch, s.unit, s.start, s.stop)))
+        return out
+
+    def _take(self, stream: PartStream, rank: int, epoch: int, unit: int, start: int,
+              stop: int) -> tuple[tuple, Take]:
+        """A carried segment's take: rows ``start .. stop`` of the shard at ``unit``."""
+        key = stream.key(epoch, unit)
+        if key is _GONE:
+            raise InvalidState(f"the state of rank {rank} carries samples of shard {unit} of "
+                               f"pass {epoch}, which has no such shard now: the keys changed "
+                               "since it was saved")
+        self.full_of[(epoch, key)] = stream.rows(epoch, unit, key)[0]
+        return (epoch, key), stream.take(epoch, unit, start, stop)
+
+
+def endless_drawn(endless_of: Callable[[int], Iterator[Any]] | None) -> Drawn:
+    """``samples_per_epoch`` with endless keys: the iterator (one pass), drawn anew from its
+    beginning. An iterator given itself (not ``keys(epoch)`` building a new one each call)
+    gives its keys once, and a resume on another world size must draw them again."""
+    if endless_of is None:
+        raise InvalidState("the state was saved reading endless keys: this loader's keys "
+                           "are a list (field 'keys'); build it with the same keys")
+    keys = endless_of(0)
+    if endless_of(0) is keys:
+        raise InvalidState(
+            "field 'keys': with samples_per_epoch, a resume on another world size draws the "
+            "key iterator again from its beginning (what each old rank has left, where a "
+            "fresh job's epoch starts); an iterator given itself gives its keys once: give "
+            "keys=fn(pass) that builds the iterator anew, or resume on the same world size")
+    return Drawn(0, keys)
 
 
 class _WindowCuts:

@@ -137,12 +137,13 @@ class ShardSizes:
     def rows_before(self, epoch: int, index: int) -> int | None:
         """An elastic resume's remainder: the rows left in its pieces before piece ``index``,
         where every rank knows them alike (declared sizes, or the source's, without a
-        transform); None otherwise."""
+        transform; with ``samples_per_epoch``, those the merge counted); None otherwise."""
         remainder = self._remainder_of(epoch)
         if remainder is None or not remainder.is_piece(index):
             return None
         if self._before[0] is not remainder:
-            fulls = [self.agreed_size(p.key, p.epoch) for p in remainder.pieces]
+            fulls = remainder.sizes or [self.agreed_size(p.key, p.epoch)
+                                        for p in remainder.pieces]
             self._before = (remainder, remainder.counts(fulls))
         return self._before[1][index]
 
@@ -198,7 +199,8 @@ class ShardSizes:
         """Total samples of one part's epoch if every shard size is known, else None."""
         remainder = self._remainder_of(epoch)
         if remainder is not None:
-            fulls = [self.full_size(p.key, p.epoch) for p in remainder.pieces]
+            fulls = remainder.sizes or [self.full_size(p.key, p.epoch)
+                                        for p in remainder.pieces]
             if remainder.tail is not None or any(n is None for n in fulls):
                 return None
             return sum(self.unit_share(epoch, i, n, part_index) for i, n in enumerate(fulls)
