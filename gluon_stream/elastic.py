@@ -23,13 +23,13 @@ __all__ = ["FIXED_SETTINGS", "load_any", "load_merged", "merge_states", "remaind
 #: change; the deal of the shards follows the world size).
 FIXED_SETTINGS = ("seed", "shuffle", "last_batch", "shuffle_window", "even_batches",
                   "samples_per_epoch")
-#: Settings an elastic resume refuses (with why): (is it set?, the reason).
+#: Combinations of settings an elastic resume refuses (with why): (are they set?, the reason).
 _UNSUPPORTED = {
-    "samples_per_epoch": (lambda v: v is not None,
-                          "each rank's epoch ends after samples_per_epoch samples of its own "
-                          "stream, so what is left of an old rank's epoch, and where a fresh "
-                          "job of the new size would start its next epoch, are known only once "
-                          "the shards up to there are read"),
+    ("samples_per_epoch", "shuffle_window"): (
+        lambda s: s.get("samples_per_epoch") is not None and s.get("shuffle_window", 1) != 1,
+        "an old rank's epoch ends inside a mixed unit of its stream, which the rest of its "
+        "quota would have to cut by the lengths of units it has not read yet, and a fresh "
+        "job's epoch starts inside one; only units a state has read part of are recorded"),
 }
 
 
@@ -68,11 +68,12 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict:
     by_rank = _by_rank([verify(s, ("version", "digest", "settings", "epoch", "end", "unit",
                                    "offset", "batches", "carry")) for s in states])
     first = by_rank[0]["settings"]
-    for name, (unsupported, why) in _UNSUPPORTED.items():
-        if unsupported(first.get(name)):
-            raise InvalidState(f"field {name!r} is {first.get(name)!r}: an elastic resume does "
-                               f"not support it yet ({why}); resume on the same number of "
-                               "ranks")
+    for names, (unsupported, why) in _UNSUPPORTED.items():
+        if unsupported(first):
+            given = ", ".join(f"{name}={first.get(name)!r}" for name in names)
+            raise InvalidState(f"fields {list(names)} are {given}: an elastic resume does not "
+                               f"support them together yet ({why}); resume on the same number "
+                               "of ranks")
     for rank, state in enumerate(by_rank):
         for name in FIXED_SETTINGS:
             if state["settings"].get(name) != first.get(name):
@@ -87,9 +88,13 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict:
     left = any(not r["end"] or r["carry"] for r in ranks)
     spec = {"epoch": epoch, "parts": len(by_rank), "deal": first.get("deal", "shards"),
             "prior": prior, "ranks": ranks} if left else None
+    if spec is not None and first.get("samples_per_epoch") is not None:  # each rank's quota
+        spec["samples_per_epoch"] = first["samples_per_epoch"]
     if spec is not None and first.get("shuffle_window", 1) != 1:  # the mixed units to cut
         spec.update(window=first["shuffle_window"], seed=first.get("seed"))
-    if spec is not None and any("keys" not in s for s in by_rank):  # an endless iterator
+    fixed = first.get("samples_per_epoch") is not None  # a remainder's pieces: a key list
+    if spec is not None and any("keys" not in s for s in by_rank
+                                if not (fixed and _reading(s))):  # an endless iterator
         spec["endless"] = True
     # every rank stood at the next epoch's start (its pass ended: do_checkpoint, the docs' loop
     # over range(state["epoch"], ...)): so does the merge, or a resumed pass would be empty
@@ -103,12 +108,14 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict:
 
 def load_merged(state: Mapping[str, Any], settings: Mapping[str, Any],
                 keys_of: Callable[[int, int, int, str], Sequence[Any]],
-                endless_of: Callable[[int], Iterator[Any]] | None = None
+                endless_of: Callable[[int], Iterator[Any]] | None = None,
+                size_of: Callable[[Any, int], int] | None = None
                 ) -> tuple[LoaderState, Remainder | None]:
     """Where a loader with ``settings`` starts from a merged state, and the remainder it reads
     in place of the interrupted epoch's keys (``keys_of(epoch, parts, part, deal)``: the shard
     order a rank of the old job read; ``endless_of(epoch)``: an endless iterator's keys, drawn
-    anew from its beginning)."""
+    anew from its beginning; ``size_of(key, epoch)``: a shard's samples, with
+    ``samples_per_epoch``)."""
     verify(state, ("version", "digest", "elastic", "epoch", "end", "settings"))
     saved = state["settings"]
     for name in FIXED_SETTINGS:
@@ -118,10 +125,13 @@ def load_merged(state: Mapping[str, Any], settings: Mapping[str, Any],
                 f"this loader has {settings.get(name)!r}; an elastic resume may change only the "
                 "number of ranks, batch_size and num_workers: build the loader as before")
     epoch = state["epoch"]
+    fixed = saved.get("samples_per_epoch") is not None
     if state["elastic"] is None:  # every rank ended the epoch: the next starts afresh
-        return LoaderState(Position(epoch, end=bool(state["end"]))), None
-    remainder = resolve(state["elastic"], keys_of, endless_of)
-    return LoaderState(Position(epoch)), remainder
+        # samples_per_epoch: where a fresh job of this world size starts it in the stream
+        return LoaderState(Position(epoch, end=bool(state["end"])),
+                           stream_epoch=epoch if fixed else None, fresh=fixed), None
+    remainder = resolve(state["elastic"], keys_of, endless_of, size_of=size_of)
+    return LoaderState(Position(epoch), stream_epoch=epoch if fixed else None), remainder
 
 
 def load_any(state: Any, settings: Mapping[str, Any], stream: ShardStream,
@@ -135,12 +145,14 @@ def load_any(state: Any, settings: Mapping[str, Any], stream: ShardStream,
     before = stream.remainder
     try:
         if isinstance(state, Mapping) and "elastic" in state:
-            start, remainder = load_merged(state, settings, dealt, stream.endless_keys)
+            start, remainder = load_merged(state, settings, dealt, stream.endless_keys,
+                                           stream.counted_size)
             stream.set_remainder(remainder)
             return start
         if isinstance(state, Mapping) and "remainder" in state:
             verify(state)
-            stream.set_remainder(resolve(state["remainder"], dealt, stream.endless_keys))
+            stream.set_remainder(resolve(state["remainder"], dealt, stream.endless_keys,
+                                         size_of=stream.counted_size))
         else:
             stream.set_remainder(None)
         return decode()
@@ -149,11 +161,16 @@ def load_any(state: Any, settings: Mapping[str, Any], stream: ShardStream,
         raise
 
 
-def remainder_fields(stream: ShardStream, epoch: int) -> dict | None:
-    """What a state saved in ``epoch`` holds of the remainder ``stream`` reads (None: none
-    it needs): its spec, and the stride each piece gave this rank (a merge needs them)."""
+def remainder_fields(stream: ShardStream, epoch: int, loader_epoch: int | None = None
+                     ) -> dict | None:
+    """What a state saved in ``epoch`` (the loader's: ``loader_epoch``) holds of the
+    remainder ``stream`` reads (None: none it needs): its spec, and the stride each piece gave
+    this rank (a merge needs them). With ``samples_per_epoch`` only a state in the remainder
+    needs it: the next epoch is read from the stream, not after the remainder."""
     remainder = stream.remainder
     if remainder is None or epoch > remainder.epoch + 1:
+        return None
+    if remainder.fixed and (loader_epoch != remainder.epoch or epoch != remainder.epoch):
         return None
     turns = [stream.sizes.rows_before(remainder.epoch, k) for k in range(len(remainder.pieces))]
     return {"remainder": dict(remainder.spec, turns=turns)}
@@ -183,10 +200,22 @@ def _by_rank(states: list) -> list:
 
 def _epoch_of(state: Mapping[str, Any]) -> int:
     """The epoch a rank's state stands in; a state at an epoch's very start counts as the end
-    of the one before (with what it rolled over)."""
-    at_start = not state["end"] and not state["unit"] and not state["offset"] \
-        and not state["batches"] and state["epoch"] > 0
-    return state["epoch"] - 1 if at_start else state["epoch"]
+    of the one before (with what it rolled over), but for one at the start of the remainder it
+    reads (it is in that epoch). With ``samples_per_epoch`` an epoch starts where the one
+    before stopped in the stream: at its start the state has read no sample of it."""
+    if "taken" in state:  # samples_per_epoch
+        at_start = not state["taken"] and not state["end"] and not state["batches"]
+    else:
+        at_start = not state["end"] and not state["unit"] and not state["offset"] \
+            and not state["batches"]
+    return state["epoch"] - 1 if at_start and state["epoch"] > 0 and not _reading(state) \
+        else state["epoch"]
+
+
+def _reading(state: Mapping[str, Any]) -> bool:
+    """Whether a rank's state stands in the remainder it reads (not in the epoch after it)."""
+    remainder = state.get("remainder")
+    return isinstance(remainder, Mapping) and remainder.get("epoch") == state["epoch"]
 
 
 def _rank_spec(state: Mapping[str, Any], rank: int, epoch: int,
@@ -194,17 +223,23 @@ def _rank_spec(state: Mapping[str, Any], rank: int, epoch: int,
     carry = [[s["epoch"], s["unit"], s["start"], s["stop"]] for s in state["carry"]]
     if first.get("shuffle_window", 1) != 1:
         _check_unit_lengths(state, rank, first["shuffle_window"])
+    fixed = first.get("samples_per_epoch") is not None
     if state["epoch"] != epoch:
         if _epoch_of(state) != epoch:
             raise InvalidState(
                 f"rank {rank}'s state is in epoch {state['epoch']}, another's in epoch {epoch}: "
                 "states from different steps; save every rank's state at the same step")
-        out = {"end": True, "unit": 0, "offset": 0, "carry": carry, "keys": None}
+        # samples_per_epoch: what it rolled over is left out (as a short batch is): after a
+        # remainder they are samples of a fresh job's epoch before, not of this one
+        out = {"end": True, "unit": 0, "offset": 0, "carry": [] if fixed else carry,
+               "keys": None}
     else:
         out = {"end": state["end"], "unit": state["unit"], "offset": state["offset"],
                "carry": carry, "keys": state.get("keys")}
         if state.get("rows_before"):  # deal='balanced': which stride of each shard it takes
             out["rows_before"] = state["rows_before"]
+    if fixed and not _reading(state):  # its own stream: where, and its epoch's samples read
+        out.update({"pass": state["pass"], "taken": state["taken"]})
     if state.get("unit_lengths"):  # shuffle_window > 1: how its mixed units are cut
         out["unit_lengths"] = state["unit_lengths"]
     return out

@@ -235,7 +235,8 @@ class StreamLoader(Closing):
         self.samples_per_epoch = (None if samples_per_epoch is None else _validate.integer(
             "samples_per_epoch", samples_per_epoch, minimum=1, hint="or None"))
         stream.keep_keys = self.samples_per_epoch is not None  # epochs restart passes
-        self._starts = PassStarts(stream, self.samples_per_epoch)
+        self._starts = PassStarts(stream, self.samples_per_epoch, self.batch_size,
+                                  self.last_batch)
         self._counts = BatchCounts(stream, self.batch_size, self.last_batch, even_batches,
                                    self.samples_per_epoch)
         self.ctx = _check_ctx(ctx, shards_on_ctx, self.vectorised)
@@ -343,7 +344,7 @@ class StreamLoader(Closing):
         return encode_state(state, self._settings_saved(),
                             self.stream.epoch_keys(position.epoch)[2],
                             self.stream.kept_key(position.epoch, position.unit),
-                            remainder_fields(self.stream, position.epoch))
+                            remainder_fields(self.stream, position.epoch, state.epoch))
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict` of a loader built with the same arguments.

@@ -25,8 +25,9 @@ class BatchCounts:
         """Batches epoch ``epoch`` yields from its start (``carried``: samples rolled over);
         None where the sizes are not known."""
         bs = self.batch_size
-        if self.samples_per_epoch is not None:  # rolled over: what the epochs before left
+        if self._fixed(epoch):  # rolled over: what the epochs before left
             n = self.samples_per_epoch
+            assert n is not None
             full, rest = divmod(n + (epoch * n % bs if self.last_batch == "rollover" else 0), bs)
             keeps = self.even_batches == "pad" or (self.last_batch == "keep"
                                                    and not self.even_batches)
@@ -51,7 +52,7 @@ class BatchCounts:
         ``deal='balanced'`` without the sizes: None, the pass stops where every part can no
         longer fill a batch (see :meth:`~gluon_stream._pipeline.run.EpochRun.reaches`)."""
         stream = self.stream
-        if self.samples_per_epoch is not None:  # every part reads as many samples
+        if self._fixed(epoch):  # every part reads as many samples
             return None
         if self.even_batches == "pad":
             sizes = stream.sizes.part_sizes(epoch)
@@ -66,6 +67,13 @@ class BatchCounts:
                 f"even_batches=True needs every shard's size for epoch {epoch} on every rank: "
                 f"{self.unknown_reason(epoch)}")
         return even_count(True, sizes, self.batch_size)
+
+    def _fixed(self, epoch: int) -> bool:
+        """Whether ``epoch`` reads ``samples_per_epoch`` samples: not the rest of an epoch an
+        elastic resume reads (its pieces, counted as an epoch of keys is)."""
+        remainder = self.stream.remainder
+        return self.samples_per_epoch is not None and not (
+            remainder is not None and remainder.fixed and remainder.epoch == epoch)
 
     def unknown_reason(self, epoch: int) -> str:
         """Why an epoch's samples cannot be counted without producing it, and the fix."""

@@ -10,6 +10,7 @@ included, resumes exactly.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from .batching import Batch, BatchPlanner, MixedUnit, Position, Segment, WindowM
 from .contracts import BatchPath
 from ..errors import InvalidState, StreamError
 from .feed import Carry, MixedData, UnitFeed, UnitSources, WindowFeed
+from .keys import EMPTY_PASSES
 from .._utils.progress import ProgressBar
 from .state import LoaderState
 from ..records import EpochRecord
@@ -32,9 +34,6 @@ from ..stream import EpochRun, ShardStream
 __all__ = ["EpochPass", "EvenBatches", "PassSettings"]
 
 logger = logging.getLogger(__name__)
-
-EMPTY_PASSES = 16  # samples_per_epoch: passes in a row that give a part no sample, at most
-
 
 @dataclass(frozen=True)
 class PassSettings:
@@ -146,6 +145,13 @@ class EpochPass:
     def __init__(self, stream: ShardStream, path: BatchPath, settings: PassSettings,
                  start: LoaderState, limit: int | None, expected: int | None = None,
                  carry: Carry | None = None, handover: EpochRun | None = None) -> None:
+        remainder = stream.remainder_of(start.position.epoch)
+        #: samples_per_epoch after an elastic resume: the rest of the interrupted epoch is the
+        #: remainder's pieces, read as one pass of the keys' kind (its end is the epoch's)
+        self.closed_remainder = settings.epoch_samples is not None and remainder is not None \
+            and remainder.fixed and start.epoch == remainder.epoch
+        if self.closed_remainder:
+            settings = dataclasses.replace(settings, epoch_samples=None)
         self.stream, self.path, self.settings = stream, path, settings
         self.start = self.state = start
         self._recorded = dict(start.rows_before)  # deal='balanced': shard -> rows before it
@@ -281,7 +287,7 @@ class EpochPass:
         epoch handed over, where it fits), and its feed of units."""
         stream, settings, start = self.stream, self.settings, self.start
         k = settings.window
-        if settings.epoch_samples is not None:
+        if settings.epoch_samples is not None or self.closed_remainder:
             stream.set_epoch(position.epoch)  # the pass over the keys, not the loader's epoch
         skip = WindowMixer.first_shard(position.unit, k)
         run = stream.start_epoch(skip=skip, prepare=self.path.prepare,

@@ -3,15 +3,18 @@
 Without ``samples_per_epoch`` a pass is the stream's epoch, from its start (with what the last
 pass rolled over). With it, the loader's epochs are cut from the stream: epoch ``e`` starts
 where epoch ``e - 1`` stopped, so its start is known only once that epoch was read (or a state
-saved in it loaded).
+saved in it loaded). After an elastic resume the epoch after the remainder starts where a fresh
+job of the new world size starts it: after ``e * samples_per_epoch`` samples of this part's
+stream, counted from the shards' sizes (:meth:`PassStarts.fresh_start`).
 """
 from __future__ import annotations
 
 import logging
 
-from .batching import Position
+from .batching import Position, Segment
 from .epoch import EpochPass
 from .feed import Carry
+from .remainder import PartStream, endless_drawn
 from .state import LoaderState
 from ..errors import InvalidState
 from ..stream import EpochRun, ShardStream
@@ -24,9 +27,12 @@ logger = logging.getLogger(__name__)
 class PassStarts:
     """A loader's epochs and the position each pass starts from."""
 
-    def __init__(self, stream: ShardStream, samples_per_epoch: int | None) -> None:
+    def __init__(self, stream: ShardStream, samples_per_epoch: int | None,
+                 batch_size: int = 1, last_batch: str = "keep") -> None:
         self.stream = stream
         self.samples_per_epoch = samples_per_epoch
+        self.batch_size, self.last_batch = batch_size, last_batch
+        self._fresh: tuple[int, LoaderState] | None = None  # the last fresh_start counted
         self._epoch = 0  # samples_per_epoch: the loader's epoch (the stream's is its key pass)
         self.loaded: LoaderState | None = None  # a state loaded for the next pass
         self.last: EpochPass | None = None  # the pass in progress, or the last one
@@ -52,6 +58,9 @@ class PassStarts:
         where the new one goes on from them."""
         start = self.next()
         self.loaded = None
+        remainder = self.stream.remainder
+        if remainder is not None and remainder.fixed and start.epoch != remainder.epoch:
+            self.stream.set_remainder(None)  # its epoch is over: the next ones read the stream
         if start.position.end and self.samples_per_epoch is None:
             self.stream.set_epoch(start.epoch + 1)  # the rest of an ended epoch: nothing
         self._epoch = start.epoch + 1  # samples_per_epoch: without set_epoch, the next one
@@ -97,7 +106,12 @@ class PassStarts:
         epoch, loaded, last = self._epoch, self.loaded, self.last
         before = loaded if loaded is not None else last.state if last is not None else None
         if before is not None and before.epoch == epoch and loaded is not None:
-            return loaded
+            return self.fresh_start(epoch) if loaded.fresh and not loaded.position.end \
+                else loaded
+        remainder = self.stream.remainder
+        if before is not None and before.epoch + 1 == epoch and (before.fresh or (
+                remainder is not None and remainder.fixed and before.epoch == remainder.epoch)):
+            return self.fresh_start(epoch)  # after an elastic resume's remainder
         if before is not None and before.epoch + 1 == epoch:
             p = before.position
             return LoaderState(Position(p.epoch, p.unit, p.offset, p.carry),
@@ -109,3 +123,36 @@ class PassStarts:
             f"samples_per_epoch={self.samples_per_epoch}: epoch {epoch} starts where epoch "
             f"{epoch - 1} stopped in the stream, which this loader has not reached: iterate the "
             "epochs in order, or load the state saved in the epoch before")
+
+    def fresh_start(self, epoch: int) -> LoaderState:
+        """samples_per_epoch: where a fresh job of this world size starts ``epoch`` in this
+        part's stream: after ``epoch * samples_per_epoch`` of its samples, with the samples
+        its epoch before rolled over (``last_batch='rollover'``). The same on every run from
+        the same state: the walk counts the part's shards up to there by their sizes, known
+        ahead (``shard_sizes=``, the source's, a cache filled ahead) or seen, else counted by
+        producing each shard once (a cache hit with a ``cache_dir``)."""
+        if self._fresh is not None and self._fresh[0] == epoch:
+            return self._fresh[1]
+        assert self.samples_per_epoch is not None
+        stream = self.stream
+        endless = not stream.source.keys_for_epoch(0)[1]
+        part = PartStream(stream.num_parts, stream.part_index, stream.deal, stream.dealt_keys,
+                          stream.counted_size,
+                          endless_drawn(stream.endless_keys) if endless else None)
+        stretches, at = part.walk(0, 0, 0, epoch * self.samples_per_epoch)
+        carried = epoch * self.samples_per_epoch % self.batch_size \
+            if self.last_batch == "rollover" else 0
+        carry: list[Segment] = []
+        for s in reversed(stretches):  # the last samples before it, in order
+            if not carried:
+                break
+            n = min(carried, s.stop - s.start)
+            carry.insert(0, Segment(s.epoch, s.unit, s.stop - n, s.stop, s.key))
+            carried -= n
+        logger.debug("epoch %d starts at shard %d of pass %d, row %d (a fresh job's start on "
+                      "part %d of %d, after %d shard(s) counted)", epoch, at.unit, at.epoch,
+                      at.offset, stream.part_index, stream.num_parts, len(stretches))
+        start = LoaderState(Position(at.epoch, at.unit, at.offset, tuple(carry)),
+                            stream_epoch=epoch)
+        self._fresh = (epoch, start)
+        return start

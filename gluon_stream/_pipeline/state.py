@@ -66,6 +66,10 @@ class LoaderState:
             which decide which rows of each shard the unit's positions hold. An elastic resume
             (:func:`gluon_stream.merge_states`) cuts what is left of those shards by them; a
             resume on the same world size rebuilds the units from the shards instead.
+        fresh: ``samples_per_epoch`` after an elastic resume (a merged state): the position
+            is no place in this part's stream; the epoch (the next one, where it says its
+            epoch ended) starts where a fresh job of this world size starts it, counted when
+            it is needed (:meth:`~gluon_stream._pipeline.starts.PassStarts.fresh_start`).
     """
 
     position: Position
@@ -77,6 +81,7 @@ class LoaderState:
     stream_epoch: int | None = None
     rows_before: tuple[tuple[int, int], ...] = ()
     unit_lengths: UnitLengths = ()
+    fresh: bool = False
 
     @property
     def epoch(self) -> int:
