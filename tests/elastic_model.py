@@ -13,15 +13,26 @@ merge deals the iterator's keys as the old ranks drew them, and the new ranks re
 left, then the iterator's keys after them. With a shuffle ``window`` of 2 or 3 shards too: the
 merge cuts the mixed units the old ranks stood in by the lengths their states record, and the
 new ranks mix the pieces left by the same window.
+
+With ``samples_per_epoch`` an epoch is no pass over the keys: each rank's epoch is its next
+``samples_per_epoch`` samples of its own stream (a sample may come twice, from two passes), so
+the oracle is a multiset: the samples the ranks of the job that began the epoch read for it
+(as a loader with ``last_batch='keep'`` reads them), of which the stages train each at most as
+often, missing at most :func:`missing_allowed`; the next epoch is a fresh job's. Endless keys
+then cycle through the shards (a long iterator: one pass, as an endless iterator is).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 SPAN = 1000  # a sample's value: SPAN * key + row
+#: samples_per_epoch with endless keys: the iterator's keys, round the shards (enough for the
+#: epochs the test reads: 4 of 30 samples on each of 4 ranks, a sample a shard)
+CYCLED = 500
 
 
 @dataclass(frozen=True)
@@ -37,11 +48,15 @@ class Config:
     stops: tuple[int, int]  # batches the first two stages train before they stop
     endless: bool = False  # the keys are an iterator per epoch (``keys(epoch)``), not a list
     window: int = 1  # shuffle_window (> 1 with shuffle only)
+    samples_per_epoch: int | None = None  # epochs of this many samples per rank
 
     def keys(self) -> Any:
+        n = len(self.sizes)
+        if self.endless and self.samples_per_epoch is not None:  # one pass, cycling
+            return lambda epoch: itertools.islice(itertools.cycle(range(n)), CYCLED)
         if self.endless:
-            return lambda epoch: iter(range(len(self.sizes)))
-        return range(len(self.sizes))
+            return lambda epoch: iter(range(n))
+        return range(n)
 
     def shard(self, key: int) -> np.ndarray:
         return np.arange(self.sizes[key], dtype="float32") + SPAN * key
@@ -50,8 +65,15 @@ class Config:
         return {SPAN * k + r for k, n in enumerate(self.sizes) for r in range(n)}
 
 
-def missing_allowed(cfg: Config) -> int:
-    """The most samples of the interrupted epoch that may go untrained across the stages."""
+def missing_allowed(cfg: Config, stages: tuple[int, ...] = (2,)) -> int:
+    """The most samples of the interrupted epoch that may go untrained across the stages
+    (``stages``: with samples_per_epoch, those that read the epoch: its end may fall in any
+    of them, and each leaves a short batch per rank out at most, its counts differing by one
+    at most as the remainder's strides turn by the sizes the merge counted)."""
+    if cfg.samples_per_epoch is not None:
+        if cfg.even == "pad" or (cfg.last_batch == "keep" and cfg.even is not True):
+            return 0
+        return sum(cfg.parts[s] * cfg.batch_sizes[s] for s in stages)
     last_ranks, last_bs = cfg.parts[2], cfg.batch_sizes[2]
     if cfg.even == "pad" or (cfg.last_batch == "keep" and cfg.even is not True):
         return 0

@@ -9,6 +9,7 @@ runs a deeper search.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import json
 import os
@@ -36,7 +37,7 @@ def make_loader(cfg: model.Config, parts: int, rank: int, batch_size: int) -> gs
                            batch_size=batch_size, shuffle=cfg.shuffle, seed=cfg.seed,
                            num_parts=parts, part_index=rank, even_batches=cfg.even,
                            last_batch=cfg.last_batch, shard_sizes=sizes, prefetch=1,
-                           shuffle_window=cfg.window)
+                           shuffle_window=cfg.window, samples_per_epoch=cfg.samples_per_epoch)
 
 
 def train(loader: gs.StreamLoader, batch_size: int, stop: int | None) -> tuple[list, int]:
@@ -78,6 +79,8 @@ def stage(cfg, parts, batch_size, state, stop):
                 other.close()
             if "has no batch to give" in str(exc):  # 'pad' with a rank of no sample at all:
                 reject()  # refused as in any job (it has no batch to pad with)
+            if "passes over the keys in a row" in str(exc):  # samples_per_epoch: a rank
+                reject()  # dealt only empty shards pass after pass, as in any job
             raise
         rows += got
         counts.append(count)
@@ -96,6 +99,8 @@ def _next_epoch(merged: dict) -> bool:
 
 def check(cfg: model.Config) -> dict:
     """Run the three stages; assert the promise; return the figures."""
+    if cfg.samples_per_epoch is not None:
+        return check_fixed(cfg)
     (n0, n1, n2), (b0, b1, b2) = cfg.parts, cfg.batch_sizes
     rows0, counts0, states0, _ = stage(cfg, n0, b0, None, cfg.stops[0])
     merged = gs.merge_states(list(reversed(states0)))  # any order
@@ -138,20 +143,88 @@ def check(cfg: model.Config) -> dict:
     return {"counts": (counts0, counts1, counts2), "missing": len(missing)}
 
 
+def quota(cfg: model.Config, parts: int, batch_size: int, epoch: int) -> collections.Counter:
+    """samples_per_epoch: the samples the ranks of a fresh ``parts``-rank job read for
+    ``epoch`` (each rank its next samples_per_epoch of its stream, as ``last_batch='keep'``
+    reads them, and with ``'rollover'`` also what the epoch before rolled into it)."""
+    out: collections.Counter = collections.Counter()
+    modes = ["keep"] + (["rollover"] if cfg.last_batch == "rollover" else [])
+    for rank in range(parts):
+        mine: collections.Counter = collections.Counter()
+        for last_batch in modes:
+            ref = dataclasses.replace(cfg, last_batch=last_batch, even=False)
+            with make_loader(ref, parts, rank, batch_size) as loader:
+                for _ in range(epoch + 1):
+                    rows, _ = train(loader, batch_size, None)
+            mine |= collections.Counter(rows)
+        out += mine
+    return out
+
+
+def check_fixed(cfg: model.Config) -> dict:
+    """samples_per_epoch: run the three stages; each epoch the stages read is within the
+    samples the job that began it read for it (a multiset), missing what
+    :func:`elastic_model.missing_allowed` allows; the epoch after the last stage's is a fresh
+    job's, batch for batch."""
+    (n0, n1, n2), (b0, b1, b2) = cfg.parts, cfg.batch_sizes
+    rows0, counts0, states0, _ = stage(cfg, n0, b0, None, cfg.stops[0])
+    merged = gs.merge_states(list(reversed(states0)))
+    rows1, counts1, states1, _ = stage(cfg, n1, b1, merged, cfg.stops[1])
+    merged2 = gs.merge_states(states1)
+    rows2, counts2, _, loaders = stage(cfg, n2, b2, merged2, None)
+    try:
+        began = {0: (n0, b0)}  # epoch -> (ranks, batch size) of the job that began it
+        read: dict[int, list] = {0: [(0, rows0)]}  # epoch -> (stage, rows) of the stages
+        for k, (state, rows) in enumerate(((merged, rows1), (merged2, rows2)), 1):
+            if _next_epoch(state):  # every rank had ended the epoch: the next starts afresh
+                began[state["epoch"]] = (cfg.parts[k], cfg.batch_sizes[k])
+            read.setdefault(state["epoch"], []).append((k, rows))
+        missing = 0
+        for epoch, stages in read.items():
+            expected = quota(cfg, *began[epoch], epoch)
+            trained = collections.Counter(v for _, rows in stages for v in rows)
+            assert not trained - expected, f"epoch {epoch}: trained too often: " \
+                f"{dict(trained - expected)}"
+            missing = sum((expected - trained).values())
+            allowed = model.missing_allowed(cfg, tuple(k for k, _ in stages))
+            assert missing <= allowed, (epoch, missing, allowed)
+        if cfg.even:
+            for counts in (counts0, counts1, counts2):
+                assert len(set(counts)) == 1, counts
+        epoch = loaders[0].epoch
+        for rank, loader in enumerate(loaders):  # the next epoch is a fresh job's
+            with make_loader(cfg, n2, rank, b2) as fresh:
+                for _ in range(epoch):
+                    next_epoch(fresh, b2)
+                assert next_epoch(loader, b2) == next_epoch(fresh, b2), (rank, epoch)
+    finally:
+        for loader in loaders:
+            loader.close()
+    return {"counts": (counts0, counts1, counts2), "missing": missing}
+
+
 @st.composite
 def configs(draw):
     even = draw(st.sampled_from([False, True, "pad"]))
     last_batch = "keep" if even == "pad" else draw(st.sampled_from(
         ["keep", "discard"] if even else ["keep", "discard", "rollover"]))
-    window = draw(st.integers(1, 3))
+    fixed = draw(st.one_of(st.none(), st.integers(1, 30)))  # samples_per_epoch
+    window = 1 if fixed is not None else draw(st.integers(1, 3))  # the two: refused
+    endless = draw(st.booleans())
+    # samples_per_epoch with endless keys: no shard empty, or a rank dealt only empty ones
+    # would run out before its epoch's samples (unequal counts in any job, even_batches too)
+    smallest = 1 if fixed is not None and endless else 0
+    sizes = tuple(draw(st.lists(st.integers(smallest, 12), min_size=1, max_size=6)))
+    if fixed is not None and not any(sizes):
+        reject()  # no sample in the stream: every job refuses it (passes without a sample)
     return model.Config(
-        sizes=tuple(draw(st.lists(st.integers(0, 12), min_size=1, max_size=6))),
+        sizes=sizes,
         shuffle=window > 1 or draw(st.booleans()), seed=draw(st.integers(0, 3)), even=even,
         last_batch=last_batch, sizes_known=draw(st.booleans()),
         parts=tuple(draw(st.integers(1, 4)) for _ in range(3)),
         batch_sizes=tuple(draw(st.integers(1, 5)) for _ in range(3)),
-        stops=(draw(st.integers(0, 6)), draw(st.integers(0, 6))), endless=draw(st.booleans()),
-        window=window)
+        stops=(draw(st.integers(0, 6)), draw(st.integers(0, 6))), endless=endless,
+        window=window, samples_per_epoch=fixed)
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize="GS_MODEL_EXAMPLES" not in os.environ,
@@ -188,9 +261,22 @@ def configs(draw):
                           (3, 5, 2), (1, 2), window=3))
 @example(cfg=model.Config((4, 11, 6, 11, 4), True, 3, True, "discard", True, (4, 2, 4),
                           (4, 4, 1), (0, 1), endless=True, window=2))  # the tail read before
+# samples_per_epoch: finite and endless keys, 2 -> 3 -> 1 ranks, even_batches True and 'pad',
+# fewer keys than ranks (turning strides), rollover, epochs longer than a pass
+@example(cfg=model.Config((10, 13, 0, 16, 7), True, 1, True, "keep", False, (2, 3, 1),
+                          (4, 3, 5), (1, 1), samples_per_epoch=9))
+@example(cfg=model.Config((10, 13, 0, 16, 7), True, 1, "pad", "keep", True, (2, 3, 1),
+                          (4, 3, 5), (1, 2), endless=True, samples_per_epoch=9))
+@example(cfg=model.Config((5, 8, 3), False, 2, False, "rollover", False, (2, 4, 3),
+                          (3, 2, 5), (2, 3), samples_per_epoch=23))
+@example(cfg=model.Config((5, 8, 3), True, 0, True, "discard", False, (4, 2, 4),
+                          (2, 3, 2), (3, 2), samples_per_epoch=23))
+@example(cfg=model.Config((4, 1, 9, 6), True, 3, "pad", "keep", False, (3, 4, 2),
+                          (2, 1, 3), (1, 3), endless=True, samples_per_epoch=5))
 def test_resized_twice_every_sample_once(cfg):
     event("endless keys" if cfg.endless else "a key list")  # --hypothesis-show-statistics
     event(f"shuffle_window={cfg.window}")
+    event("samples_per_epoch" if cfg.samples_per_epoch else "epochs of the keys")
     check(cfg)
 
 
@@ -279,10 +365,14 @@ def test_changed_keys_are_refused_naming_the_field():
         loader.close()
 
 
-@pytest.mark.parametrize("field,kw", [("samples_per_epoch", {"samples_per_epoch": 12})])
-def test_unsupported_features_are_refused_naming_the_field(field, kw):
-    with pytest.raises(gs.InvalidState, match=f"field '{field}'.*not support it yet"):
-        gs.merge_states(_states(**kw))
+def test_samples_per_epoch_with_a_shuffle_window_is_refused_naming_both_fields():
+    """The one combination an elastic resume refuses: an epoch of samples_per_epoch ends
+    inside a mixed unit whose lengths no state records. Each alone is merged."""
+    with pytest.raises(gs.InvalidState, match=r"fields \['samples_per_epoch', "
+                                              r"'shuffle_window'\].*not support them together"):
+        gs.merge_states(_states(samples_per_epoch=12, shuffle_window=2))
+    assert gs.merge_states(_states(samples_per_epoch=12))["elastic"]["samples_per_epoch"] == 12
+    assert gs.merge_states(_states(shuffle_window=2))["elastic"]["window"] == 2
 
 
 def _window_states(parts=2, stop=1, sizes=(10,) * 6, **overrides):
@@ -426,16 +516,18 @@ def test_an_empty_list_or_a_merged_state_is_refused_saying_so():
             gs.merge_states(given)
 
 
-@pytest.mark.parametrize("window", [1, 4])
-def test_merge_cost_for_64_ranks(window):
+@pytest.mark.parametrize("window,fixed", [(1, None), (4, None), (1, 400)])
+def test_merge_cost_for_64_ranks(window, fixed):
     """The cost of merging 64 ranks' states (printed: median of runs), and of loading it
-    (with a shuffle window: the units each rank stands in cut shard by shard)."""
+    (with a shuffle window: the units each rank stands in cut shard by shard; with
+    samples_per_epoch: each old rank's stream walked to the end of its quota, by the sizes)."""
     keys, parts = range(256), 64
     states = []
     for rank in range(parts):
         loader = gs.StreamLoader(gs.FunctionSource(keys, lambda k: np.arange(50.0)),
                                  batch_size=8, shuffle=True, seed=0, num_parts=parts,
-                                 part_index=rank, shard_sizes=50, shuffle_window=window)
+                                 part_index=rank, shard_sizes=50, shuffle_window=window,
+                                 samples_per_epoch=fixed)
         it = iter(loader)
         next(it)
         states.append(loader.state_dict())
@@ -443,7 +535,7 @@ def test_merge_cost_for_64_ranks(window):
     merge_ms, load_ms = [], []
     loader = gs.StreamLoader(gs.FunctionSource(keys, lambda k: np.arange(50.0)), batch_size=8,
                              shuffle=True, seed=0, num_parts=48, part_index=5, shard_sizes=50,
-                             shuffle_window=window)
+                             shuffle_window=window, samples_per_epoch=fixed)
     try:
         for _ in range(7):
             t0 = time.perf_counter()
@@ -457,10 +549,14 @@ def test_merge_cost_for_64_ranks(window):
     finally:
         loader.close()
     print(f"\nmerge_states of {parts} ranks' states ({len(keys)} shards, shuffle_window="
-          f"{window}; a rank's state {len(json.dumps(states[0]))} bytes): median "
+          f"{window}, samples_per_epoch={fixed}; a rank's state {len(json.dumps(states[0]))} "
+          "bytes): median "
           f"{statistics.median(merge_ms):.2f} ms; load_state_dict of the merge on a rank of 48: "
           f"median {statistics.median(load_ms):.2f} ms; {len(json.dumps(merged))} bytes of JSON")
-    assert count == (256 * 50 - 64 * 8) // 48 // 8  # every rank an equal share of the rest
+    if fixed is None:
+        assert count == (256 * 50 - 64 * 8) // 48 // 8  # every rank an equal share of the rest
+    else:  # the rest of every old rank's quota, in strides that differ by one sample at most
+        assert count == -(-(64 * (fixed - 8) // 48) // 8)
 
 
 # -- checkpoints -----------------------------------------------------------------------------
