@@ -921,3 +921,56 @@ def test_a_merge_of_endless_keys_and_a_key_list_do_not_mix(saved_endless):
             new.load_state_dict(merged)
     finally:
         new.close()
+
+
+# -- samples_per_epoch ------------------------------------------------------------------------
+def _fixed_loader(parts, rank, batch_size=3, keys=None, **kw):
+    sizes = (7, 0, 11, 5, 9)
+    return gs.StreamLoader(gs.FunctionSource(range(5) if keys is None else keys,
+                                             _shard_of(sizes)),
+                           batch_size=batch_size, shuffle=True, seed=2, num_parts=parts,
+                           part_index=rank, samples_per_epoch=13, prefetch=1, **kw)
+
+
+def test_a_samples_per_epoch_state_saved_in_the_remainder_resumes_exactly_on_its_size():
+    """A rank stopped while it reads the remainder saves a state that resumes on its own world
+    size exactly (the rest of the remainder, then the fresh job's next epoch), as the rank that
+    went on without a stop reads them."""
+    states = []
+    for rank in range(2):
+        with _fixed_loader(2, rank) as old:
+            train(old, 3, 2)
+            states.append(old.state_dict())
+    merged = gs.merge_states(states)
+    for rank in range(3):
+        with _fixed_loader(3, rank, 2) as whole, _fixed_loader(3, rank, 2) as cut:
+            whole.load_state_dict(merged)
+            cut.load_state_dict(merged)
+            expected = [train(whole, 2, None)[0], next_epoch(whole, 2)]
+            head, _ = train(cut, 2, 1)
+            saved = json.loads(json.dumps(cut.state_dict()))
+            assert "remainder" in saved  # it reads the remainder: the state says which
+            with _fixed_loader(3, rank, 2) as resumed:
+                resumed.load_state_dict(saved)
+                got = [head + train(resumed, 2, None)[0], next_epoch(resumed, 2)]
+                after = resumed.state_dict()
+            assert got == expected, rank
+            assert "remainder" not in after  # the next epoch reads the stream
+
+
+def test_samples_per_epoch_with_an_iterator_given_itself_is_refused_naming_the_keys():
+    """An endless iterator given itself gives its keys once: the merge cannot draw it again
+    for what each old rank left and where a fresh job's epoch starts. Refused on load, naming
+    the field and the fix (keys=fn(pass) building it anew)."""
+    states = []
+    for rank in range(2):
+        with _fixed_loader(2, rank, keys=iter(range(5))) as old:
+            train(old, 3, 1)
+            states.append(old.state_dict())
+    merged = gs.merge_states(states)
+    with _fixed_loader(3, 0, keys=iter(range(5))) as new:
+        with pytest.raises(gs.InvalidState, match="field 'keys'.*builds the iterator anew"):
+            new.load_state_dict(merged)
+    with _fixed_loader(3, 0, keys=lambda epoch: iter(range(5))) as new:
+        new.load_state_dict(merged)  # a new iterator each call: drawn again
+        assert train(new, 3, None)[1]
