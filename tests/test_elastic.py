@@ -923,6 +923,40 @@ def test_a_merge_of_endless_keys_and_a_key_list_do_not_mix(saved_endless):
         new.close()
 
 
+def test_states_at_the_start_of_a_remainder_of_a_later_epoch_stay_in_it():
+    """Ranks that load a merge of epoch 1 and are stopped before their first batch stand at the
+    start of the remainder they read: in epoch 1, not at the end of epoch 0 (a merge of them
+    then started epoch 1 afresh, retraining what the first job trained of it)."""
+    sizes = (10, 13, 16, 7, 9)
+
+    def loader(parts, rank):
+        return gs.StreamLoader(gs.FunctionSource(range(5), _shard_of(sizes)), batch_size=4,
+                               shuffle=True, seed=1, num_parts=parts, part_index=rank,
+                               prefetch=1)
+
+    trained, states = [], []
+    for rank in range(2):
+        with loader(2, rank) as old:
+            train(old, 4, None)
+            old.set_epoch(1)
+            trained += train(old, 4, 2)[0]
+            states.append(old.state_dict())
+    merged = gs.merge_states(states)
+    states = []
+    for rank in range(3):
+        with loader(3, rank) as idle:
+            idle.load_state_dict(merged)
+            states.append(idle.state_dict())
+    merged = gs.merge_states(states)
+    assert merged["epoch"] == 1 and merged["elastic"] is not None
+    for rank in range(2):
+        with loader(2, rank) as new:
+            new.load_state_dict(merged)
+            trained += train(new, 4, None)[0]
+    assert sorted(trained) == sorted(_shard_of(sizes)(k)[i] for k, n in enumerate(sizes)
+                                     for i in range(n))
+
+
 # -- samples_per_epoch ------------------------------------------------------------------------
 def _fixed_loader(parts, rank, batch_size=3, keys=None, **kw):
     sizes = (7, 0, 11, 5, 9)
