@@ -4,7 +4,9 @@
 yet in the interrupted epoch (see :mod:`gluon_stream._pipeline.remainder`); every new rank loads
 the same merged state with ``load_state_dict`` and reads its stride of that remainder, then the
 next epochs as a job of its world size reads them. Only the saved states and the new world size
-decide what each rank reads: no rank needs another's, nothing is communicated.
+decide what each rank reads: no rank needs another's, nothing is communicated. With
+``samples_per_epoch`` what is left of each old rank's epoch, and where a fresh job's next epoch
+starts, are found by the shards' sizes (counted by producing a shard where none is known).
 """
 from __future__ import annotations
 
@@ -23,16 +25,6 @@ __all__ = ["FIXED_SETTINGS", "load_any", "load_merged", "merge_states", "remaind
 #: change; the deal of the shards follows the world size).
 FIXED_SETTINGS = ("seed", "shuffle", "last_batch", "shuffle_window", "even_batches",
                   "samples_per_epoch")
-#: Combinations of settings an elastic resume refuses (with why): (are they set?, the reason).
-_UNSUPPORTED = {
-    ("samples_per_epoch", "shuffle_window"): (
-        lambda s: s.get("samples_per_epoch") is not None and s.get("shuffle_window", 1) != 1,
-        "an old rank's epoch ends inside a mixed unit of its stream, which the rest of its "
-        "quota would have to cut by the lengths of units it has not read yet, and a fresh "
-        "job's epoch starts inside one; only units a state has read part of are recorded"),
-}
-
-
 def merge_states(states: Sequence[Mapping[str, Any]]) -> dict:
     """One state that any rank of any world size loads, from the states of all ranks of a job
     saved at the same step (``loader.state_dict()`` on every rank, in any order).
@@ -46,8 +38,7 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict:
     Raises:
         InvalidState: a state is not a rank's state or was edited; a rank's state is missing
             or given twice; the states were saved at different steps or with other settings
-            (the field is named); the loader reads ``samples_per_epoch`` epochs, which an
-            elastic resume does not support yet; a state saved with ``shuffle_window > 1`` does
+            (the field is named); a state saved with ``shuffle_window > 1`` does
             not record the lengths of the mixed units it read part of (``unit_lengths``: an
             older gluon_stream's), or records lengths its shards no longer have (when the new
             ranks read them).
@@ -68,12 +59,6 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict:
     by_rank = _by_rank([verify(s, ("version", "digest", "settings", "epoch", "end", "unit",
                                    "offset", "batches", "carry")) for s in states])
     first = by_rank[0]["settings"]
-    for names, (unsupported, why) in _UNSUPPORTED.items():
-        if unsupported(first):
-            given = ", ".join(f"{name}={first.get(name)!r}" for name in names)
-            raise InvalidState(f"fields {list(names)} are {given}: an elastic resume does not "
-                               f"support them together yet ({why}); resume on the same number "
-                               "of ranks")
     for rank, state in enumerate(by_rank):
         for name in FIXED_SETTINGS:
             if state["settings"].get(name) != first.get(name):
@@ -81,6 +66,7 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict:
                     f"field {name!r}: rank {rank}'s state was saved with {name}="
                     f"{state['settings'].get(name)!r}, rank 0's with {first.get(name)!r}: not "
                     "states of one job")
+    _check_supported(by_rank, first)
     epoch = max(_epoch_of(s) for s in by_rank)
     prior = _prior(by_rank)
     ranks = [_rank_spec(state, rank, epoch, first) for rank, state in enumerate(by_rank)]
@@ -221,9 +207,10 @@ def _reading(state: Mapping[str, Any]) -> bool:
 def _rank_spec(state: Mapping[str, Any], rank: int, epoch: int,
                first: Mapping[str, Any]) -> dict:
     carry = [[s["epoch"], s["unit"], s["start"], s["stop"]] for s in state["carry"]]
-    if first.get("shuffle_window", 1) != 1:
-        _check_unit_lengths(state, rank, first["shuffle_window"])
     fixed = first.get("samples_per_epoch") is not None
+    # samples_per_epoch: a state at the next epoch's start adds nothing (see below)
+    if first.get("shuffle_window", 1) != 1 and not (fixed and state["epoch"] != epoch):
+        _check_unit_lengths(state, rank, first["shuffle_window"])
     if state["epoch"] != epoch:
         if _epoch_of(state) != epoch:
             raise InvalidState(
@@ -248,9 +235,10 @@ def _rank_spec(state: Mapping[str, Any], rank: int, epoch: int,
 def _check_unit_lengths(state: Mapping[str, Any], rank: int, window: int) -> None:
     """A rank's state with a shuffle window records the lengths of every mixed unit it read
     part of: what is left of their shards is cut by them."""
-    lengths = unit_lengths(state.get("unit_lengths", []), window, state["epoch"])
+    epoch = state.get("pass", state["epoch"])  # samples_per_epoch: the pass over the keys
+    lengths = unit_lengths(state.get("unit_lengths", []), window, epoch)
     carry = tuple(Segment(s["epoch"], s["unit"], s["start"], s["stop"]) for s in state["carry"])
-    read = Position(state["epoch"], state["unit"], state["offset"], carry,
+    read = Position(epoch, state["unit"], state["offset"], carry,
                     bool(state["end"])).units_read()
     missing = sorted(read - set(lengths))
     if missing:
@@ -259,6 +247,22 @@ def _check_unit_lengths(state: Mapping[str, Any], rank: int, window: int) -> Non
             f"shards of mixed unit {missing[0][1]} of epoch {missing[0][0]}, which it read part "
             "of (saved by an older gluon_stream?): save it again with this one, or resume on "
             "the same number of ranks")
+
+
+def _check_supported(states: list, first: Mapping[str, Any]) -> None:
+    """The one combination an elastic resume refuses: samples_per_epoch with a shuffle window,
+    last_batch='rollover' and an endless key iterator. A fresh job's epoch then starts with
+    samples rolled over from mixed units of the iterator, which a resumed loader cannot
+    rebuild (nor can it for any state holding such samples)."""
+    fixed = first.get("samples_per_epoch") is not None
+    if fixed and first.get("shuffle_window", 1) != 1 and first.get("last_batch") == "rollover" \
+            and any("keys" not in s for s in states if not _reading(s)):
+        raise InvalidState(
+            "fields 'samples_per_epoch', 'shuffle_window', 'last_batch' and 'keys': with an "
+            "endless key iterator, a shuffle window and last_batch='rollover', the next epoch on "
+            "the new ranks starts with samples rolled over from mixed units of the iterator, "
+            "which a resumed loader cannot rebuild (its shards cannot be named again); resume on "
+            "the same number of ranks, or use keys=fn(pass) returning a list")
 
 
 def _check_steps(states: list, first: Mapping[str, Any]) -> None:

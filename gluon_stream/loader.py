@@ -236,7 +236,7 @@ class StreamLoader(Closing):
             "samples_per_epoch", samples_per_epoch, minimum=1, hint="or None"))
         stream.keep_keys = self.samples_per_epoch is not None  # epochs restart passes
         self._starts = PassStarts(stream, self.samples_per_epoch, self.batch_size,
-                                  self.last_batch)
+                                  self.last_batch, self.shuffle_window)
         self._counts = BatchCounts(stream, self.batch_size, self.last_batch, even_batches,
                                    self.samples_per_epoch)
         self.ctx = _check_ctx(ctx, shards_on_ctx, self.vectorised)

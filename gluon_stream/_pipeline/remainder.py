@@ -25,6 +25,7 @@ remainder's pieces are then read as any epoch's shards are, mixed by the window 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
@@ -38,7 +39,7 @@ from .state import keys_digest, unit_lengths
 from ..errors import InvalidState
 
 __all__ = ["Drawn", "Mixed", "PartStream", "Piece", "Remainder", "Stretch", "Take",
-           "remainder_deal", "resolve"]
+           "remainder_deal", "resolve", "unit_size"]
 
 #: ``keys_of(epoch, parts, part, deal)``: a part's shard order in an epoch (the loader's deal).
 KeysOf = Callable[[int, int, int, str], Sequence[Any]]
@@ -78,14 +79,25 @@ _GONE = object()
 @dataclass(frozen=True)
 class Stretch:
     """Rows ``start .. stop`` of a part's rows of the shard ``key`` at position ``unit`` of
-    pass ``epoch`` over the keys (``full``: the shard's samples)."""
+    pass ``epoch`` over the keys (``full``: the shard's samples); with a shuffle window,
+    positions ``start .. stop`` of mixed unit ``unit`` (``lengths``: the part's samples of
+    each shard of its window; ``key``: its newest shard's, None past the keys)."""
 
     epoch: int
     unit: int
     key: Any
     start: int
     stop: int
-    full: int
+    full: int = 0
+    lengths: tuple[int, ...] = ()
+
+
+def unit_size(window: int, unit: int, lengths: Sequence[int]) -> int:
+    """Samples of mixed unit ``unit`` of a window of ``window`` shards holding ``lengths``:
+    slice ``unit - j`` of each shard ``j`` of the window (:func:`mixed_order`)."""
+    first = unit - window + 1
+    return sum(b - a for j in range(max(0, first), unit + 1)
+               for a, b in [window_slice(lengths[j - first], window, unit - j)])
 
 
 class PartStream:
@@ -96,9 +108,10 @@ class PartStream:
     of an old rank's epoch, and where a fresh job's epoch starts in a new rank's stream."""
 
     def __init__(self, parts: int, part: int, deal: str, keys_of: KeysOf, size_of: SizeOf,
-                 drawn: Drawn | None = None) -> None:
+                 drawn: Drawn | None = None, window: int = 1) -> None:
         self.parts, self.part, self.deal = parts, part, deal
         self._keys_of, self._size_of, self._drawn = keys_of, size_of, drawn
+        self.window = window  # shuffle_window: the stream is each pass's mixed units
         self._lists: dict[int, list] = {}
 
     def keys(self, epoch: int) -> list | None:
@@ -128,13 +141,41 @@ class PartStream:
         turn = stride_turn(self.deal, epoch, unit, None)
         return full, part_count(full, self.parts, self.part, self.deal, turn)
 
-    def take(self, epoch: int, unit: int, start: int, stop: int | None) -> Take:
-        """Rows ``start .. stop`` of the part's rows of the shard at ``unit`` of ``epoch``."""
+    def lengths(self, epoch: int, unit: int) -> tuple[int, ...] | None:
+        """A shuffle window's mixed unit ``unit`` of pass ``epoch``: the part's samples of each
+        shard of its window (0 before the first, past the last); None past the pass's units."""
+        first = unit - self.window + 1
+        if first >= 0 and self.key(epoch, first) is _GONE:
+            return None
+        keys = [self.key(epoch, j) if j >= 0 else _GONE for j in range(first, unit + 1)]
+        return tuple(0 if key is _GONE else self.rows(epoch, first + i, key)[1]
+                     for i, key in enumerate(keys))
+
+    def take(self, epoch: int, unit: int, start: int, stop: int | None,
+             expect: int | None = None, mixed: Mixed | None = None) -> Take:
+        """Rows ``start .. stop`` of the part's rows of the shard at ``unit`` of ``epoch``
+        (``expect``, ``mixed``: see :class:`Take`)."""
         turn = stride_turn(self.deal, epoch, unit, None)
         if turn is None:
-            return Take(None, self.parts, self.part, self.deal, start, stop)
+            return Take(None, self.parts, self.part, self.deal, start, stop, expect, mixed)
         return Take(None, self.parts, stride_of(self.part, self.parts, self.deal, turn),
-                    "strides", start, stop)  # its stride, turned as the shard's position says
+                    "strides", start, stop, expect, mixed)  # its stride, as its position says
+
+    def at(self, epoch: int, unit: int) -> Stretch | None:
+        """The whole of what the part reads at ``unit`` of ``epoch`` (a shard, or a window's
+        mixed unit), as a stretch; None past the pass."""
+        if self.window == 1:
+            key = self.key(epoch, unit)
+            if key is _GONE:
+                return None
+            full, rows = self.rows(epoch, unit, key)
+            return Stretch(epoch, unit, key, 0, rows, full)
+        lengths = self.lengths(epoch, unit)
+        if lengths is None:
+            return None
+        key = self.key(epoch, unit)
+        return Stretch(epoch, unit, None if key is _GONE else key, 0,
+                       unit_size(self.window, unit, lengths), lengths=lengths)
 
     def walk(self, epoch: int, unit: int, offset: int, count: int
              ) -> tuple[list[Stretch], Position]:
@@ -145,19 +186,18 @@ class PartStream:
         out: list[Stretch] = []
         empty, read, whole = 0, 0, not unit and not offset
         while count > 0:
-            key = self.key(epoch, unit)
-            if key is _GONE:  # the pass is over: the next one (a key list's)
+            at = self.at(epoch, unit)
+            if at is None:  # the pass is over: the next one (a key list's)
                 empty = empty + 1 if whole and not read else 0
                 if self._drawn is not None or empty >= EMPTY_PASSES:
                     break
                 epoch, unit, offset, read, whole = epoch + 1, 0, 0, 0, True
                 continue
-            full, rows = self.rows(epoch, unit, key)
-            n = max(0, min(rows - offset, count))
+            n = max(0, min(at.stop - offset, count))
             if n:
-                out.append(Stretch(epoch, unit, key, offset, offset + n, full))
+                out.append(dataclasses.replace(at, start=offset, stop=offset + n))
                 count, read = count - n, read + n
-            if offset + n >= rows:
+            if offset + n >= at.stop:
                 unit, offset = unit + 1, 0
             else:
                 offset += n
@@ -477,30 +517,65 @@ class _Quotas:
             return sizes[(epoch, key)]
 
         drawn = endless_drawn(endless_of) if spec.get("endless") else None
-        self.streams = [PartStream(spec["parts"], rank, spec["deal"], keys_of, sized, drawn)
-                        for rank in range(spec["parts"])]
+        self.window, self.seed = int(spec.get("window", 1)), spec.get("seed", 0)
+        self.streams = [PartStream(spec["parts"], rank, spec["deal"], keys_of, sized, drawn,
+                                   self.window) for rank in range(spec["parts"])]
 
     def takes(self, saved: Mapping[str, Any], rank: int) -> list[tuple[tuple, Take]]:
         """The rank's takes in order: its carry, then the rest of its quota."""
         stream, out = self.streams[rank], []
         for e, u, a, b in saved["carry"]:
-            out.append(self._take(stream, rank, e, u, a, b))
+            out += self._unit_takes(stream, rank, e, u, a, b) if self.window > 1 \
+                else [self._take(stream, rank, e, u, a, b)]
         if saved["end"]:
             return out
         epoch, unit, offset = saved["pass"], saved["unit"], saved["offset"]
         keys = stream.keys(epoch)
         if keys is not None:
             _check_rank_keys(saved, keys, epoch, rank)
-        key = stream.key(epoch, unit)
-        if key is not _GONE and offset > stream.rows(epoch, unit, key)[1]:
-            raise InvalidState(f"the state of rank {rank} stands at row {offset} of shard "
-                               f"{key!r} of pass {epoch}, which gives it "
-                               f"{stream.rows(epoch, unit, key)[1]} now: the data changed "
-                               "since it was saved")
+        at = stream.at(epoch, unit)
+        if at is not None and offset > at.stop:
+            raise InvalidState(f"the state of rank {rank} stands at row {offset} of "
+                               f"{'mixed unit' if self.window > 1 else 'shard'} {unit} of "
+                               f"pass {epoch}, which holds {at.stop} for it now: the data "
+                               "changed since it was saved")
         left = self.spec["samples_per_epoch"] - saved["taken"]
         for s in stream.walk(epoch, unit, offset, left)[0]:
+            if self.window > 1:
+                out += self._unit_takes(stream, rank, s.epoch, s.unit, s.start, s.stop,
+                                        s.lengths)
+                continue
             self.full_of[(s.epoch, s.key)] = s.full
             out.append(((s.epoch, s.key), stream.take(s.epoch, s.unit, s.start, s.stop)))
+        return out
+
+    def _unit_takes(self, stream: PartStream, rank: int, epoch: int, unit: int, start: int,
+                    stop: int, lengths: tuple[int, ...] | None = None
+                    ) -> list[tuple[tuple, Take]]:
+        """A shuffle window's positions ``start .. stop`` of mixed unit ``unit``: each of its
+        shards' rows among them (a whole unit: the shard's slice of it), expecting the
+        lengths counted now of each shard, which a shard read later must still give."""
+        lengths = lengths if lengths is not None else stream.lengths(epoch, unit)
+        if lengths is None or stop > unit_size(self.window, unit, lengths):
+            raise InvalidState(f"the state of rank {rank} refers to samples {start}..{stop} of "
+                               f"mixed unit {unit} of pass {epoch}, which its shards do not "
+                               "hold now: the keys or the data changed since it was saved")
+        whole = not start and stop == unit_size(self.window, unit, lengths)
+        first, out = unit - self.window + 1, []
+        for j in range(max(0, first), unit + 1):
+            n = lengths[j - first]
+            if not n:
+                continue
+            key = stream.key(epoch, j)
+            self.full_of[(epoch, key)] = stream.rows(epoch, j, key)[0]
+            if whole:
+                a, b = window_slice(n, self.window, unit - j)
+                if b > a:
+                    out.append(((epoch, key), stream.take(epoch, j, a, b, n)))
+                continue
+            mixed = Mixed.of(self.window, self.seed, epoch, unit, lengths, j, start, stop)
+            if mixed.held:
+                out.append(((epoch, key), stream.take(epoch, j, 0, None, n, mixed)))
         return out
 
     def _take(self, stream: PartStream, rank: int, epoch: int, unit: int, start: int,

@@ -28,10 +28,10 @@ class PassStarts:
     """A loader's epochs and the position each pass starts from."""
 
     def __init__(self, stream: ShardStream, samples_per_epoch: int | None,
-                 batch_size: int = 1, last_batch: str = "keep") -> None:
+                 batch_size: int = 1, last_batch: str = "keep", window: int = 1) -> None:
         self.stream = stream
         self.samples_per_epoch = samples_per_epoch
-        self.batch_size, self.last_batch = batch_size, last_batch
+        self.batch_size, self.last_batch, self.window = batch_size, last_batch, window
         self._fresh: tuple[int, LoaderState] | None = None  # the last fresh_start counted
         self._epoch = 0  # samples_per_epoch: the loader's epoch (the stream's is its key pass)
         self.loaded: LoaderState | None = None  # a state loaded for the next pass
@@ -138,7 +138,7 @@ class PassStarts:
         endless = not stream.source.keys_for_epoch(0)[1]
         part = PartStream(stream.num_parts, stream.part_index, stream.deal, stream.dealt_keys,
                           stream.counted_size,
-                          endless_drawn(stream.endless_keys) if endless else None)
+                          endless_drawn(stream.endless_keys) if endless else None, self.window)
         stretches, at = part.walk(0, 0, 0, epoch * self.samples_per_epoch)
         carried = epoch * self.samples_per_epoch % self.batch_size \
             if self.last_batch == "rollover" else 0
@@ -152,7 +152,10 @@ class PassStarts:
         logger.debug("epoch %d starts at shard %d of pass %d, row %d (a fresh job's start on "
                       "part %d of %d, after %d shard(s) counted)", epoch, at.unit, at.epoch,
                       at.offset, stream.part_index, stream.num_parts, len(stretches))
-        start = LoaderState(Position(at.epoch, at.unit, at.offset, tuple(carry)),
-                            stream_epoch=epoch)
+        position = Position(at.epoch, at.unit, at.offset, tuple(carry))
+        lengths = [] if self.window == 1 else [  # the mixed units a state there names
+            (e, u, shards) for e, u in sorted(position.units_read())
+            if (shards := part.lengths(e, u)) is not None]
+        start = LoaderState(position, stream_epoch=epoch, unit_lengths=tuple(lengths))
         self._fresh = (epoch, start)
         return start
