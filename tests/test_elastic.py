@@ -515,7 +515,7 @@ def test_an_empty_list_or_a_merged_state_is_refused_saying_so():
             gs.merge_states(given)
 
 
-@pytest.mark.parametrize("window,fixed", [(1, None), (4, None), (1, 400)])
+@pytest.mark.parametrize("window,fixed", [(1, None), (4, None), (1, 400), (4, 400)])
 def test_merge_cost_for_64_ranks(window, fixed):
     """The cost of merging 64 ranks' states (printed: median of runs), and of loading it
     (with a shuffle window: the units each rank stands in cut shard by shard; with

@@ -547,7 +547,7 @@ class _Quotas:
                 continue
             self.full_of[(s.epoch, s.key)] = s.full
             out.append(((s.epoch, s.key), stream.take(s.epoch, s.unit, s.start, s.stop)))
-        return out
+        return _joined(out) if self.window > 1 else out
 
     def _unit_takes(self, stream: PartStream, rank: int, epoch: int, unit: int, start: int,
                     stop: int, lengths: tuple[int, ...] | None = None
@@ -556,11 +556,12 @@ class _Quotas:
         shards' rows among them (a whole unit: the shard's slice of it), expecting the
         lengths counted now of each shard, which a shard read later must still give."""
         lengths = lengths if lengths is not None else stream.lengths(epoch, unit)
-        if lengths is None or stop > unit_size(self.window, unit, lengths):
+        size = -1 if lengths is None else unit_size(self.window, unit, lengths)
+        if lengths is None or stop > size:
             raise InvalidState(f"the state of rank {rank} refers to samples {start}..{stop} of "
                                f"mixed unit {unit} of pass {epoch}, which its shards do not "
                                "hold now: the keys or the data changed since it was saved")
-        whole = not start and stop == unit_size(self.window, unit, lengths)
+        whole = not start and stop == size
         first, out = unit - self.window + 1, []
         for j in range(max(0, first), unit + 1):
             n = lengths[j - first]
@@ -588,6 +589,25 @@ class _Quotas:
                                "since it was saved")
         self.full_of[(epoch, key)] = stream.rows(epoch, unit, key)[0]
         return (epoch, key), stream.take(epoch, unit, start, stop)
+
+
+def _joined(takes: list[tuple[tuple, Take]]) -> list[tuple[tuple, Take]]:
+    """The takes, a shard's slices of consecutive whole units joined into one take (the
+    slices of one shard follow each other): fewer takes to cut at every read."""
+    out: list[tuple[tuple, Take]] = []
+    last: dict[tuple, int] = {}  # a shard -> the index of its last plain take in ``out``
+    for ident, take in takes:
+        at = last.get(ident)
+        if take.mixed is None and at is not None:
+            before = out[at][1]
+            if before.mixed is None and before.stop == take.start and \
+                    (before.parts, before.part, before.deal, before.expect) == \
+                    (take.parts, take.part, take.deal, take.expect):
+                out[at] = (ident, dataclasses.replace(before, stop=take.stop))
+                continue
+        last[ident] = len(out)
+        out.append((ident, take))
+    return out
 
 
 def endless_drawn(endless_of: Callable[[int], Iterator[Any]] | None) -> Drawn:
