@@ -1027,3 +1027,65 @@ def test_samples_per_epoch_with_a_window_rollover_and_endless_keys_is_refused_na
         gs.merge_states(states(lambda epoch: iter(range(5)), "rollover"))
     assert gs.merge_states(states(None, "rollover"))["elastic"]["window"] == 2
     assert gs.merge_states(states(lambda epoch: iter(range(5)), "keep"))["elastic"]["endless"]
+
+
+def _next_epochs_match(loader, parts, merged, epoch):
+    """Every rank of a ``parts``-rank job that loads ``merged`` reads the rest of the epoch,
+    then epoch ``epoch`` exactly as a fresh job of ``parts`` ranks reads it: what they
+    trained of the rest."""
+    trained = []
+    for rank in range(parts):
+        with loader(parts, rank) as new, loader(parts, rank) as fresh:
+            new.load_state_dict(merged)
+            trained += _rows(new)
+            for _ in range(epoch):
+                _rows(fresh)
+            assert _rows(new) == _rows(fresh), rank
+    return trained
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_samples_per_epoch_resizes_a_mix_exactly(window):
+    """A MixSource read in epochs of samples_per_epoch: 2 ranks stop, 3 read the rest of
+    their epoch (each sample as often as the old ranks' epochs held it), then epoch 1 as a
+    fresh 3-rank job."""
+    def loader(parts, rank):
+        return gs.StreamLoader(_mix({"a": 1, "b": 2}), batch_size=3, shuffle=True, seed=0,
+                               num_parts=parts, part_index=rank, samples_per_epoch=25,
+                               shuffle_window=window)
+
+    whole = []
+    for rank in range(2):
+        with loader(2, rank) as full:
+            whole += _rows(full)
+    trained, merged = _stop_and_merge(loader, 2, stop=7)
+    trained += _next_epochs_match(loader, 3, merged, 1)
+    assert sorted(trained) == sorted(whole)
+
+
+def test_samples_per_epoch_skips_failing_shards_alike_and_counts_sizes_from_a_cache(tmp_path):
+    """A shard that fails (on_error='skip') counts as empty in the walks, as a pass skips it;
+    with a shared cache_dir the new ranks count sizes from the shards the old job made
+    (cache hits: nothing is made again)."""
+    made = collections.Counter()
+
+    def shard(key):
+        made[key] += 1
+        if key == 3:
+            raise RuntimeError("shard 3 cannot be made")
+        return np.arange(9.0) + 100 * key
+
+    def loader(parts, rank):
+        return gs.StreamLoader(gs.FunctionSource(range(8), shard, cache_dir=tmp_path),
+                               batch_size=4, shuffle=True, seed=1, num_parts=parts,
+                               part_index=rank, on_error="skip", samples_per_epoch=30)
+
+    whole = []
+    for rank in range(3):
+        with loader(3, rank) as full:
+            whole += _rows(full)
+    trained, merged = _stop_and_merge(loader, 3, stop=8)
+    before = dict(made)
+    trained += _next_epochs_match(loader, 2, merged, 1)
+    assert sorted(trained) == sorted(whole)
+    assert all(made[k] == before[k] for k in before if k != 3)  # cache hits, the walks too
