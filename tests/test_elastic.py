@@ -1089,3 +1089,29 @@ def test_samples_per_epoch_skips_failing_shards_alike_and_counts_sizes_from_a_ca
     trained += _next_epochs_match(loader, 2, merged, 1)
     assert sorted(trained) == sorted(whole)
     assert all(made[k] == before[k] for k in before if k != 3)  # cache hits, the walks too
+
+
+def test_a_samples_per_epoch_checkpoint_at_an_epoch_end_resumes_as_a_fresh_job(tmp_path):
+    """do_checkpoint at the end of epoch 0 on 2 ranks; 3 ranks load the checkpoint and read
+    epoch 1 exactly as a fresh 3-rank job reads it (its start counted in each new rank's own
+    stream)."""
+    import mxnet as mx
+
+    def loader(parts, rank):
+        return gs.StreamLoader(gs.FunctionSource(range(5), _shard_of((10, 13, 16, 19, 22))),
+                               batch_size=4, shuffle=True, seed=0, num_parts=parts,
+                               part_index=rank, samples_per_epoch=15, last_batch="rollover")
+
+    sym = mx.sym.FullyConnected(mx.sym.var("data"), num_hidden=1, name="fc")
+    params = {"fc_weight": mx.nd.ones((1, 1)), "fc_bias": mx.nd.zeros((1,))}
+    prefix = str(tmp_path / "net")
+    for rank in range(2):
+        with loader(2, rank) as old:
+            _rows(old)
+            gs.do_checkpoint(prefix, old)(0, sym, params, {})
+    for rank in range(3):
+        with loader(3, rank) as new, loader(3, rank) as fresh:
+            gs.load_checkpoint(prefix, 1, new)
+            assert new.epoch == 1
+            _rows(fresh)
+            assert _rows(new) == _rows(fresh), rank
