@@ -1,10 +1,10 @@
 """Elastic resume: states saved on N ranks, merged, continued exactly on M ranks.
 
 The hypothesis test draws a job (shard sizes, shuffle, even_batches, last_batch, sizes known or
-not, a key list or an endless iterator, a shuffle window of 1-3 shards), resizes it twice at drawn steps (the second time
-while the ranks read the first merge's remainder), changes the batch size each time, and
-checks the samples every rank trained against :mod:`elastic_model`. ``GS_MODEL_EXAMPLES=400``
-runs a deeper search.
+not, a key list or an endless iterator, a shuffle window of 1-3 shards, samples_per_epoch or
+epochs of the keys), resizes it twice at drawn steps (the second time while the ranks read the
+first merge's remainder), changes the batch size each time, and checks the samples every rank
+trained against :mod:`elastic_model`. ``GS_MODEL_EXAMPLES=400`` runs a deeper search.
 """
 from __future__ import annotations
 
