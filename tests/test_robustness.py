@@ -502,7 +502,9 @@ def test_jupyter_style_interrupts_20_times_leak_nothing(path, record_property, s
                 pytest.fail("the interrupt was not delivered")
             if i in (0, 4, 19):
                 gc.collect()
-                figures.append((i + 1, _flat_snapshot()))
+                # fds less the shards in flight (one each): where an interrupt lands decides
+                # whether the next shard is made yet, which is data, not a leak
+                figures.append((i + 1, dict(_flat_snapshot(), in_flight=shards_in_flight())))
             if i == 0:  # the loader's own producer thread exists from the first pass on
                 before = snapshot()
         batch = None  # noqa: F841  (the last batch holds shared-memory fds)
@@ -536,7 +538,8 @@ def test_jupyter_style_interrupts_20_times_leak_nothing(path, record_property, s
     workers = PROCESS_POOL["num_workers"] if path == "process-pool" else 0
     # producer threads: at most twice producers='auto''s bound, min(prefetch=2, cores),
     # however many passes were interrupted
-    assert at20["fds"] <= at5["fds"] and at20["threads"] <= 2 * min(2, os.cpu_count()), figures
+    assert at20["fds"] - at20["in_flight"] <= at5["fds"] - at5["in_flight"], figures
+    assert at20["threads"] <= 2 * min(2, os.cpu_count()), figures
     assert at20["children"] == at5["children"] == workers, figures
     assert at20["rss_mb"] - at5["rss_mb"] < 25, figures
 
