@@ -110,6 +110,10 @@ def test_slow_per_sample_work_gets_more_workers_bounded_by_cores_and_budget():
     assert footprint(got.knobs, m, small) <= small.budget
     # not tuned (num_workers given): the loop waiting for workers changes nothing
     assert decide(Knobs(2, 1, 0), m, Limits(10 ** 12, 8)) is None
+    # one shard is enough when the loop waited half of it or more for per-sample batches
+    one = replace(m, shards=1)
+    assert decide(Knobs(2, 1, 1), one, tuned).knobs == Knobs(2, 1, 4)
+    assert decide(Knobs(2, 1, 1), replace(one, worker_wait_s=0.3), tuned) is None  # subtler
 
 
 def test_prefetch_starts_low_and_takes_its_default_once_a_shard_shows_it_fits():

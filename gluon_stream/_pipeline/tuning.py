@@ -33,7 +33,8 @@ tuner gives batches to more of them):
 3. ``prefetch`` rises to its default (2) as soon as the first shard shows it fits;
 4. the loop waited for per-sample batches at least :data:`WAIT_SHARE` of the time, and more
    than for shards: workers rise to ``ceil(workers x wall / the loop's own seconds)`` (at
-   least one more), bounded by the cores and by the budget (their slots);
+   least one more), bounded by the cores and by the budget (their slots); decided after one
+   shard when the loop waited :data:`CLEAR_WAIT_SHARE` of it or more;
 5. the loop waited less than :data:`WAIT_SHARE` of the time for shards: nothing changes
    (training, or per-sample work, is the bottleneck);
 6. it waited: producers rise to ``ceil(production seconds per shard / the loop's seconds per
@@ -59,15 +60,18 @@ from .._utils.validate import format_bytes
 from ..errors import MemoryBudgetTooSmall
 from ..records import TuningRecord
 
-__all__ = ["DEFAULT_PREFETCH", "Knobs", "LEAST_PREFETCH", "Limits", "MIN_SHARDS", "Measured",
-           "START_PREFETCH", "Tunable", "TunableWorkers", "Tuner", "WAIT_SHARE", "decide",
-           "footprint", "start_knobs"]
+__all__ = ["CLEAR_WAIT_SHARE", "DEFAULT_PREFETCH", "Knobs", "LEAST_PREFETCH", "Limits",
+           "MIN_SHARDS", "Measured", "START_PREFETCH", "Tunable", "TunableWorkers", "Tuner",
+           "WAIT_SHARE", "decide", "footprint", "start_knobs"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PREFETCH = 2
 MIN_SHARDS = 2  # shards handed out since the last change before the next decision
 WAIT_SHARE = 0.05  # the loop waiting less than this share of the time for shards: no change
+# the loop waiting this share of a shard's time or more for per-sample batches: more workers at
+# once, without the MIN_SHARDS a subtler wait needs (as a busy wait adds a producer at once)
+CLEAR_WAIT_SHARE = 0.5
 LEAST_PREFETCH = 0  # no shard ahead: the next one is made when the loop asks for it
 # before the first shard is measured: with one producer, the first shard and the second one
 # being made hold three shards at most, as the least does (the tuner then decides)
@@ -243,11 +247,15 @@ def decide(knobs: Knobs, m: Measured, limits: Limits) -> Decision | None:
                     "as near the default prefetch as the budget allows"
                 return Decision(wanted, f"{why}: {_held(wanted, limits)} {room}",
                                 prefetch < DEFAULT_PREFETCH)
-    if m.shards < MIN_SHARDS or m.wall_s <= 0:
+    if m.wall_s <= 0:
         return None
     share = m.wait_s / m.wall_s
-    if limits.max_workers and m.worker_wait_s / m.wall_s >= max(WAIT_SHARE, share):
+    workers_share = m.worker_wait_s / m.wall_s
+    if limits.max_workers and workers_share >= max(WAIT_SHARE, share) and (
+            m.shards >= MIN_SHARDS or workers_share >= CLEAR_WAIT_SHARE):
         return _more_workers(knobs, m, limits, room)
+    if m.shards < MIN_SHARDS:
+        return None
     if share < WAIT_SHARE:
         return None
     waited = (f"the loop waited {100 * share:.0f} % of its last {m.shards} shards "
