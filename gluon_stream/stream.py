@@ -348,6 +348,25 @@ class ShardStream(Closing):
         keys = part_keys(list(keys), seed, epoch, self.num_parts, part, self.shuffle, self.deal)
         return iter(keys[start:]), True, keys
 
+    def keys_between(self, epoch: int, start: int, stop: int) -> list:
+        """This part's keys at positions ``start .. stop - 1`` of pass ``epoch`` (fewer where
+        its keys end): a key list's, or an endless iterator's drawn again up to them, as a
+        resumed pass draws them (a resumed state's mixed units name their shards so)."""
+        tape = self._tapes.get((epoch, self.part_index)) if self.keep_keys else None
+        if tape is not None and start < tape.base:
+            raise InvalidState(
+                f"the state holds samples of shard {start} of pass {epoch} over an endless key "
+                f"iterator, whose keys before position {tape.base} this loader let go (an "
+                "iterator gives each key once): load it into a new loader whose key iterator "
+                "starts from its beginning, as the saved run's did")
+        remainder = self.remainder_of(epoch)
+        if remainder is not None and remainder.tail is not None and stop > len(remainder.pieces):
+            raise InvalidState(
+                f"the state holds samples of shard {stop - 1} of epoch {epoch}, a key of the "
+                "endless iterator after the pieces of an elastic resume's remainder, which are "
+                "drawn once: resume from a state saved after the epoch's last batch")
+        return list(itertools.islice(self.epoch_keys(epoch, start=start)[0], stop - start))
+
     def key_at(self, epoch: int, index: int) -> tuple[Any, str | None] | None:
         """An endless iterator's keys kept for passes that start again (``keep_keys``): this
         part's key ``index`` of pass ``epoch``, drawn up to it as a resumed pass draws them:

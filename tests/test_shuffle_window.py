@@ -3,6 +3,7 @@ sample once, the same batches on every path, deterministic orders, exact resume,
 windows and a bounded number of shards held."""
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import weakref
@@ -264,3 +265,42 @@ def test_resume_is_exact_around_a_skipped_shard(failing):
         recorded = {order[j] for _, j in state["skipped"]}
         assert recorded <= failing
         assert not recorded & set(made)  # skipped again without being produced again
+
+
+@pytest.mark.parametrize("window", [2, 3])
+@pytest.mark.parametrize("given", ["iterator", "keys(pass)"])
+def test_a_rollover_of_mixed_units_of_endless_keys_resumes_in_a_fresh_loader(window, given):
+    """samples_per_epoch over endless keys, rollover: each epoch's last samples (parts of
+    mixed units) open the next one. A state taken anywhere, the end of an epoch included,
+    resumes after a JSON round trip in a fresh loader whose iterator starts from its beginning:
+    the carried units' shards are named by drawing the keys again (main refused the state)."""
+    def make():
+        keys = (lambda epoch: itertools.count()) if given == "keys(pass)" \
+            else itertools.count()
+        fn = id_shards(SIZES * 4)
+        return gs.StreamLoader(gs.FunctionSource(keys, fn), batch_size=BS, shuffle=True,
+                               seed=11, shuffle_window=window, samples_per_epoch=23,
+                               last_batch="rollover")
+
+    def run(loader, states=None):
+        batches = []
+        for epoch in range(loader.epoch, 3):
+            loader.set_epoch(epoch)
+            for batch in loader:
+                batches.append(batch_ids(batch))
+                if states is not None:
+                    states.append((len(batches), json.loads(json.dumps(loader.state_dict()))))
+            if states is not None:  # the loop saw the end: the next epoch, with the carry
+                states.append((len(batches), json.loads(json.dumps(loader.state_dict()))))
+        return batches
+
+    states: list = []
+    with make() as loader:
+        reference = run(loader, states)
+    assert all(len(b) == BS for b in reference)
+    carried = [s for _, s in states if s["carry"]]
+    assert len(carried) == 3  # each epoch's end: samples of a mixed unit carried
+    for after, state in states:
+        with make() as resumed:
+            resumed.load_state_dict(state)
+            assert run(resumed) == reference[after:], (after, state["epoch"], state["carry"])

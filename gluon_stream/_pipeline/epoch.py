@@ -27,7 +27,7 @@ from ..errors import InvalidState, StreamError
 from .feed import Carry, MixedData, UnitFeed, UnitSources, WindowFeed
 from .keys import EMPTY_PASSES
 from .._utils.progress import ProgressBar
-from .state import LoaderState
+from .state import LoaderState, check_segment_key
 from ..records import EpochRecord
 from ..stream import EpochRun, ShardStream
 
@@ -587,15 +587,18 @@ class EpochPass:
             if sources is not None:
                 sources.shard(seg.epoch, seg.unit, shard)
             return shard
-        if keys is None:
-            raise InvalidState("a state that holds samples of a mixed unit of an endless key "
-                               "iterator cannot be resumed: its shards cannot be named again")
+        first = WindowMixer.first_shard(seg.unit, window)
+        if keys is None:  # an endless iterator: the unit's shards drawn again up to it
+            named = stream.keys_between(seg.epoch, first, seg.unit + 1)
+            check_segment_key(seg, named, first)
+        else:
+            named = keys[first:seg.unit + 1]
         mixer = WindowMixer(window, stream.seed, seg.epoch, first_unit=seg.unit)
         shards, units = {}, []
-        for j in range(mixer.first_shard(seg.unit, window), min(seg.unit + 1, len(keys))):
+        for j, key in enumerate(named, first):
             if (seg.epoch, j) in skipped:  # failed before: an empty shard in the mix, as it was
                 continue
-            shards[j] = stream.produce_now(keys[j], seg.epoch, prepare, j,
+            shards[j] = stream.produce_now(key, seg.epoch, prepare, j,
                                            before=self._recorded_rows(j))
             units.extend(mixer.add(j, len(shards[j])))
         units.extend(mixer.finish())

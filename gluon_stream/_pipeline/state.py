@@ -20,8 +20,8 @@ from .._utils import validate as _validate
 from .batching import Position, Segment
 from ..errors import InvalidState
 
-__all__ = ["STATE_VERSION", "LoaderState", "UnitLengths", "checksum", "decode_state",
-           "encode_state", "keys_digest", "unit_lengths", "verify"]
+__all__ = ["STATE_VERSION", "LoaderState", "UnitLengths", "check_segment_key", "checksum",
+           "decode_state", "encode_state", "keys_digest", "unit_lengths", "verify"]
 
 STATE_VERSION = 3
 _JSON_KEY = (str, int, float)
@@ -207,7 +207,7 @@ def decode_state(state: Any, settings: Mapping[str, Any], batch_size: int,
     keys = epoch_keys(epoch)
     _check_keys(state, epoch, position.unit, keys)
     for segment in position.carry + repeat:
-        _check_segment_key(segment, epoch_keys(segment.epoch) if segment.epoch != epoch else keys)
+        check_segment_key(segment, epoch_keys(segment.epoch) if segment.epoch != epoch else keys)
     if keys is None and key_at is not None:
         _check_drawn(state, epoch, position.unit, key_at)
     return LoaderState(position, delivered, skipped, repeat, number, lead, stream_epoch,
@@ -376,10 +376,13 @@ def _check_drawn(state: Mapping[str, Any], epoch: int, unit: int, key_at: KeyAt)
             "as that run did); resuming would read other samples")
 
 
-def _check_segment_key(segment: Segment, keys: Sequence[Any] | None) -> None:
+def check_segment_key(segment: Segment, keys: Sequence[Any] | None, first: int = 0) -> None:
+    """The key a state recorded for ``segment`` is still the one at its position of
+    ``keys`` (the epoch's keys from position ``first`` on); InvalidState naming both if not."""
     if keys is None or segment.key is None:
         return
-    found = _key(keys[segment.unit]) if segment.unit < len(keys) else None
+    at = segment.unit - first
+    found = _key(keys[at]) if 0 <= at < len(keys) else None
     if found != segment.key:
         raise InvalidState(
             f"the keys of epoch {segment.epoch} changed since the state was saved: samples "
