@@ -66,7 +66,6 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict:
                     f"field {name!r}: rank {rank}'s state was saved with {name}="
                     f"{state['settings'].get(name)!r}, rank 0's with {first.get(name)!r}: not "
                     "states of one job")
-    _check_supported(by_rank, first)
     epoch = max(_epoch_of(s) for s in by_rank)
     prior = _prior(by_rank)
     ranks = [_rank_spec(state, rank, epoch, first) for rank, state in enumerate(by_rank)]
@@ -247,22 +246,6 @@ def _check_unit_lengths(state: Mapping[str, Any], rank: int, window: int) -> Non
             f"shards of mixed unit {missing[0][1]} of epoch {missing[0][0]}, which it read part "
             "of (saved by an older gluon_stream?): save it again with this one, or resume on "
             "the same number of ranks")
-
-
-def _check_supported(states: list, first: Mapping[str, Any]) -> None:
-    """The one combination an elastic resume refuses: samples_per_epoch with a shuffle window,
-    last_batch='rollover' and an endless key iterator. A fresh job's epoch then starts with
-    samples rolled over from mixed units of the iterator, which a resumed loader cannot
-    rebuild (nor can it for any state holding such samples)."""
-    fixed = first.get("samples_per_epoch") is not None
-    if fixed and first.get("shuffle_window", 1) != 1 and first.get("last_batch") == "rollover" \
-            and any("keys" not in s for s in states if not _reading(s)):
-        raise InvalidState(
-            "fields 'samples_per_epoch', 'shuffle_window', 'last_batch' and 'keys': with an "
-            "endless key iterator, a shuffle window and last_batch='rollover', the next epoch on "
-            "the new ranks starts with samples rolled over from mixed units of the iterator, "
-            "which a resumed loader cannot rebuild (its shards cannot be named again); resume on "
-            "the same number of ranks, or use keys=fn(pass) returning a list")
 
 
 def _check_steps(states: list, first: Mapping[str, Any]) -> None:

@@ -168,11 +168,6 @@ def check_fixed(cfg: model.Config) -> dict:
     job's, batch for batch."""
     (n0, n1, n2), (b0, b1, b2) = cfg.parts, cfg.batch_sizes
     rows0, counts0, states0, _ = stage(cfg, n0, b0, None, cfg.stops[0])
-    if cfg.window > 1 and cfg.endless and cfg.last_batch == "rollover":  # the one refusal
-        with pytest.raises(gs.InvalidState, match="fields 'samples_per_epoch', "
-                                                  "'shuffle_window', 'last_batch' and 'keys'"):
-            gs.merge_states(states0)
-        return {"refused": True}
     merged = gs.merge_states(list(reversed(states0)))
     rows1, counts1, states1, _ = stage(cfg, n1, b1, merged, cfg.stops[1])
     merged2 = gs.merge_states(states1)
@@ -281,6 +276,11 @@ def configs(draw):
 @example(cfg=model.Config((10, 13, 0, 16, 7), True, 1, False, "rollover", False, (2, 3, 1),
                           (4, 3, 5), (2, 1), window=2, samples_per_epoch=11))  # mixed units
 @example(cfg=model.Config((6, 9, 4, 12), True, 2, True, "keep", True, (3, 2, 4),
+                          (2, 3, 2), (3, 2), endless=True, window=3, samples_per_epoch=17))
+# ... endless keys with a window and rollover: the next epoch opens with mixed units' samples
+@example(cfg=model.Config((5, 8, 3), True, 0, False, "rollover", False, (2, 4, 3),
+                          (3, 2, 5), (2, 3), endless=True, window=2, samples_per_epoch=23))
+@example(cfg=model.Config((6, 9, 4, 12), True, 2, False, "rollover", True, (3, 2, 4),
                           (2, 3, 2), (3, 2), endless=True, window=3, samples_per_epoch=17))
 def test_resized_twice_every_sample_once(cfg):
     event("endless keys" if cfg.endless else "a key list")  # --hypothesis-show-statistics
@@ -1009,24 +1009,30 @@ def test_samples_per_epoch_with_an_iterator_given_itself_is_refused_naming_the_k
         assert train(new, 3, None)[1]
 
 
-def test_samples_per_epoch_with_a_window_rollover_and_endless_keys_is_refused_naming_them():
-    """The one combination refused: the new ranks' next epoch would start with samples
-    rolled over from mixed units of an endless iterator, which no resumed loader rebuilds.
-    With a key list (or without rollover) the same job merges."""
-    def states(keys, last_batch):
-        out = []
-        for rank in range(2):
-            with _fixed_loader(2, rank, keys=keys, shuffle_window=2,
-                               last_batch=last_batch) as old:
-                train(old, 3, 1)
-                out.append(old.state_dict())
-        return out
+@pytest.mark.parametrize("window", [2, 3])
+def test_samples_per_epoch_with_a_window_rollover_and_endless_keys_resizes_exactly(window):
+    """Once refused: the new ranks' next epoch starts with samples rolled over from mixed units
+    of an endless iterator, whose shards a resumed loader names by drawing the iterator again.
+    2 ranks stop in epoch 0; 3 read the rest of it, then epoch 1 as a fresh 3-rank job reads
+    it, batch for batch, and so does a new loader resumed from the state each saved at epoch
+    1's start (its carry of mixed units, after a JSON round trip)."""
+    def loader(parts, rank):
+        return _fixed_loader(parts, rank, shuffle_window=window, last_batch="rollover",
+                             keys=lambda epoch: itertools.islice(itertools.cycle(range(5)), 200))
 
-    with pytest.raises(gs.InvalidState, match="fields 'samples_per_epoch', 'shuffle_window', "
-                                              "'last_batch' and 'keys'.*cannot rebuild"):
-        gs.merge_states(states(lambda epoch: iter(range(5)), "rollover"))
-    assert gs.merge_states(states(None, "rollover"))["elastic"]["window"] == 2
-    assert gs.merge_states(states(lambda epoch: iter(range(5)), "keep"))["elastic"]["endless"]
+    _, merged = _stop_and_merge(loader, 2, 6)  # 2 batches of 3
+    assert merged["elastic"]["endless"] and merged["elastic"]["window"] == window
+    for rank in range(3):
+        with loader(3, rank) as new, loader(3, rank) as fresh, loader(3, rank) as resumed:
+            new.load_state_dict(merged)
+            assert train(new, 3, None)[1]  # the rest of epoch 0
+            saved = json.loads(json.dumps(new.state_dict()))
+            assert saved["epoch"] == 1 and saved["carry"], saved  # samples of a mixed unit
+            resumed.load_state_dict(saved)
+            next_epoch(fresh, 3)
+            expected = next_epoch(fresh, 3)
+            assert next_epoch(new, 3) == expected, rank
+            assert next_epoch(resumed, 3) == expected, rank
 
 
 def _next_epochs_match(loader, parts, merged, epoch):
