@@ -352,20 +352,23 @@ class ShardStream(Closing):
         """This part's keys at positions ``start .. stop - 1`` of pass ``epoch`` (fewer where
         its keys end): a key list's, or an endless iterator's drawn again up to them, as a
         resumed pass draws them (a resumed state's mixed units name their shards so)."""
-        tape = self._tapes.get((epoch, self.part_index)) if self.keep_keys else None
-        if tape is not None and start < tape.base:
-            raise InvalidState(
-                f"the state holds samples of shard {start} of pass {epoch} over an endless key "
-                f"iterator, whose keys before position {tape.base} this loader let go (an "
-                "iterator gives each key once): load it into a new loader whose key iterator "
-                "starts from its beginning, as the saved run's did")
         remainder = self.remainder_of(epoch)
-        if remainder is not None and remainder.tail is not None and stop > len(remainder.pieces):
+        if remainder is None or remainder.tail is None or stop <= len(remainder.pieces):
+            return list(itertools.islice(self.epoch_keys(epoch, start=start)[0], stop - start))
+        # an elastic resume's tail (the keys after its pieces): from the iterator built anew,
+        # leaving the one the remainder's pass reads where it stands
+        fresh = self.endless_keys(epoch)
+        if fresh is remainder.tail.rest:
             raise InvalidState(
-                f"the state holds samples of shard {stop - 1} of epoch {epoch}, a key of the "
-                "endless iterator after the pieces of an elastic resume's remainder, which are "
-                "drawn once: resume from a state saved after the epoch's last batch")
-        return list(itertools.islice(self.epoch_keys(epoch, start=start)[0], stop - start))
+                f"field 'keys': the state holds samples of shard {stop - 1} of epoch {epoch}, a "
+                "key of the endless iterator after an elastic resume's pieces, drawn again from "
+                "its beginning to name it; an iterator given itself gives its keys once: give "
+                "keys=fn(pass) that builds the iterator anew")
+        pieces = len(remainder.pieces)
+        tail = part_endless(itertools.islice(fresh, remainder.tail_start, None),
+                            self.num_parts, self.part_index, self.deal)
+        return remainder.keys[start:stop] + list(
+            itertools.islice(tail, max(0, start - pieces), stop - pieces))
 
     def key_at(self, epoch: int, index: int) -> tuple[Any, str | None] | None:
         """An endless iterator's keys kept for passes that start again (``keep_keys``): this

@@ -1035,6 +1035,40 @@ def test_samples_per_epoch_with_a_window_rollover_and_endless_keys_resizes_exact
             assert next_epoch(resumed, 3) == expected, rank
 
 
+@pytest.mark.parametrize("window", [2, 3])
+def test_a_carry_of_mixed_units_of_a_remainders_endless_tail_resumes(window):
+    """Epochs of an endless iterator that ends (no samples_per_epoch), a window, rollover: the
+    new ranks read the remainder's pieces, then the iterator's keys after them, and epoch 1
+    opens with samples of the last mixed units. The state each saved there resumes in a fresh
+    loader exactly (those units' shards named from the iterator built anew); an iterator given
+    itself, which gives its keys once, is refused naming 'keys'."""
+    sizes = (7, 3, 11, 5, 9, 6, 8)
+
+    def loader(parts, rank, keys=None):
+        keys = keys if keys is not None else (lambda epoch: iter(range(len(sizes))))
+        return gs.StreamLoader(gs.FunctionSource(keys, _shard_of(sizes)), batch_size=4,
+                               shuffle=True, seed=2, num_parts=parts, part_index=rank,
+                               shuffle_window=window, last_batch="rollover", prefetch=1)
+
+    _, merged = _stop_and_merge(loader, 2, 4)
+    carried = 0
+    for rank in range(3):
+        with loader(3, rank) as new, loader(3, rank) as resumed:
+            new.load_state_dict(merged)
+            train(new, 4, None)
+            saved = json.loads(json.dumps(new.state_dict()))
+            carried += bool(saved["carry"])
+            resumed.load_state_dict(saved)
+            assert next_epoch(resumed, 4) == next_epoch(new, 4), rank
+        if saved["carry"]:
+            with loader(3, rank, keys=iter(range(len(sizes)))) as given:
+                given.load_state_dict(saved)
+                with pytest.raises(gs.InvalidState, match="field 'keys'.*builds the iterator "
+                                                          "anew"):
+                    next(iter(given))
+    assert carried  # a rank's epoch 1 opens with samples of the tail's mixed units
+
+
 def _next_epochs_match(loader, parts, merged, epoch):
     """Every rank of a ``parts``-rank job that loads ``merged`` reads the rest of the epoch,
     then epoch ``epoch`` exactly as a fresh job of ``parts`` ranks reads it: what they

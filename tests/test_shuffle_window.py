@@ -304,3 +304,23 @@ def test_a_rollover_of_mixed_units_of_endless_keys_resumes_in_a_fresh_loader(win
         with make() as resumed:
             resumed.load_state_dict(state)
             assert run(resumed) == reference[after:], (after, state["epoch"], state["carry"])
+
+
+def test_a_state_whose_window_the_loaders_iterator_let_go_is_refused_at_load():
+    """The same loader cannot draw its iterator again: a state whose shard is still kept but
+    whose window (or carried unit) starts at a key let go is refused when loaded, naming the
+    shard, not met as a StreamError of the keys mid-pass."""
+    with gs.StreamLoader(gs.FunctionSource(itertools.count(), id_shards([6] * 20)),
+                         batch_size=BS, shuffle=True, seed=1, shuffle_window=3,
+                         samples_per_epoch=5, last_batch="rollover") as loader:
+        states = []
+        for epoch in range(6):
+            loader.set_epoch(epoch)
+            list(loader)
+            states.append(loader.state_dict())
+        for state in states[2:4]:  # epochs 3 and 4 start in shards 3 and 4: kept
+            with pytest.raises(gs.InvalidState, match=rf"at shard {state['unit']} .*reading its "
+                                                      r"keys again from shard \d+ .*were let go"):
+                loader.load_state_dict(state)
+        loader.load_state_dict(states[4])  # its window's keys are kept: it resumes
+        assert list(loader)

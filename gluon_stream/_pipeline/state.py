@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from .._utils import validate as _validate
-from .batching import Position, Segment
+from .batching import Position, Segment, WindowMixer
 from ..errors import InvalidState
 
 __all__ = ["STATE_VERSION", "LoaderState", "UnitLengths", "check_segment_key", "checksum",
@@ -209,7 +209,10 @@ def decode_state(state: Any, settings: Mapping[str, Any], batch_size: int,
     for segment in position.carry + repeat:
         check_segment_key(segment, epoch_keys(segment.epoch) if segment.epoch != epoch else keys)
     if keys is None and key_at is not None:
-        _check_drawn(state, epoch, position.unit, key_at)
+        window = settings.get("shuffle_window", 1)
+        first = min([WindowMixer.first_shard(s.unit, window) for s in position.carry + repeat
+                     if s.epoch == epoch] + [WindowMixer.first_shard(position.unit, window)])
+        _check_drawn(state, epoch, position.unit, key_at, first)
     return LoaderState(position, delivered, skipped, repeat, number, lead, stream_epoch,
                        rows_before, tuple((e, u, n) for (e, u), n in lengths.items()))
 
@@ -348,9 +351,11 @@ def _check_keys(state: Mapping[str, Any], epoch: int, unit: int, keys: Sequence[
             "Resume with the keys it was saved with, or start the epoch afresh")
 
 
-def _check_drawn(state: Mapping[str, Any], epoch: int, unit: int, key_at: KeyAt) -> None:
+def _check_drawn(state: Mapping[str, Any], epoch: int, unit: int, key_at: KeyAt,
+                 first: int) -> None:
     """An endless iterator: its keys up to the state's shard are drawn again (a new process
-    builds it from its beginning), and the one the state recorded must be the same."""
+    builds it from its beginning), and the one the state recorded must be the same; those
+    from ``first`` on (a shuffle window's first shard, or a carried unit's) are read again."""
     drawn = state.get("drawn")
     if drawn is not None and (not isinstance(drawn, Mapping) or {"position", "key"} - set(drawn)):
         raise InvalidState(f"state field 'drawn' must have position and key, got {drawn!r}")
@@ -358,17 +363,20 @@ def _check_drawn(state: Mapping[str, Any], epoch: int, unit: int, key_at: KeyAt)
     if index > unit:
         raise InvalidState(f"state field 'drawn.position' is {index}, after the shard it resumes "
                            f"at ({unit})")
-    found = key_at(epoch, index)
-    if found is None:
-        return
-    key, missing = found
     where = (f"pass {epoch} over the keys at shard {index}"
              + (f" ({drawn['key']!r} when it was saved)" if drawn is not None else ""))
-    if missing is not None:
-        raise InvalidState(
-            f"the state resumes {where}, but this loader's key iterator cannot be drawn up to "
-            f"it: {missing}. Load it into a new loader whose key iterator starts from its "
-            "beginning, as the saved run's did")
+    for at in ([first] if first < index else []) + [index]:
+        found = key_at(epoch, at)
+        if found is None:
+            return
+        key, missing = found
+        if missing is not None:
+            again = "" if at == index else (f", reading its keys again from shard {at} (a "
+                                            "shuffle window's first, or a carried unit's)")
+            raise InvalidState(
+                f"the state resumes {where}{again}, but this loader's key iterator cannot be "
+                f"drawn up to it: {missing}. Load it into a new loader whose key iterator starts "
+                "from its beginning, as the saved run's did")
     if drawn is not None and _key(key) != drawn["key"]:
         raise InvalidState(
             f"the state resumes {where}, but this loader's key iterator gives {_key(key)!r} "
