@@ -553,7 +553,7 @@ class ShardStream(Closing):
         if run is None:  # produce_now: in the caller's thread, outside the producers' count
             return self._make(key, epoch, index, run, prepare)
         try:  # made ahead into the cache: only loading is left once its generation is done
-            with self._placed(run, lambda: run.generated(index)) as generated_s:
+            with self._placed(run, index) as generated_s:
                 shard = self._make(key, epoch, index, run, prepare)
         except BaseException:
             if run.offsets is not None:  # the shards after it stop waiting for its size
@@ -580,15 +580,18 @@ class ShardStream(Closing):
             return seconds
 
     @contextlib.contextmanager
-    def _placed(self, run: EpochRun, wait: Callable[[], float] | None = None
-                ) -> Iterator[float]:
-        """A producer's place for ``run``'s work, held for the block (which gets what ``wait``
-        returned: it runs first). Until the place is taken the run counts the work as queued,
-        so a generation ahead, started by a producer that just finished, does not take the
-        place a shard of the window is about to take: the window comes first."""
-        run.unplaced(1)
+    def _placed(self, run: EpochRun, index: int | None = None) -> Iterator[float]:
+        """A producer's place for ``run``'s work, held for the block. For shard ``index`` of
+        the window, first its generation ahead, if one runs (the block gets its seconds). Until
+        the place is taken the run counts the work as queued (from the end of that
+        generation), so a generation ahead, started by a producer that just finished, does not
+        take the place a shard of the window is about to take: the window comes first."""
+        if index is None:
+            run.unplaced(1)
+        got = 0.0
         try:
-            got = wait() if wait is not None else 0.0
+            if index is not None:
+                got = run.generated(index)  # counts the work as queued once it returns
             self._res.throttle.__enter__()
         finally:
             run.unplaced(-1)

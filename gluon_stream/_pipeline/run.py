@@ -156,6 +156,7 @@ class EpochRun:
         self._ahead: dict[int, cf.Future] = {}  # index -> generation into the cache
         self._unplaced = 0  # work started in a thread, waiting for a producer's place
         self._unplaced_lock = threading.Lock()  # not _lock: the window is filled holding it
+        self._awaited: set[cf.Future] = set()  # generations ahead a window's shard waits for
         self.offsets = RowOffsets(skip, rows_before) if stream.deal == "balanced" \
             and stream.num_parts > 1 and stream.remainder_of(epoch) is None else None
         # the consumer fills the window; producers finishing a shard start generations ahead
@@ -211,15 +212,37 @@ class EpochRun:
     def generated(self, index: int) -> float:
         """Wait for shard ``index``'s generation ahead, if one runs: its seconds (0: none
         ran; a generation not yet started is dropped and the shard made as usual). Its
-        failure is raised here, where the shard's error policy applies."""
+        failure is raised here, where the shard's error policy applies.
+
+        The caller is then counted as waiting for a producer's place (:meth:`_queued`; it
+        says :meth:`unplaced` ``-1`` once it has one): from the end of the generation it
+        waited for, not before (that generation's place is the one it takes next, so it keeps
+        no other producer from work meanwhile). The generation's done-callback counts it
+        first when it runs first, so that the producer finishing the generation sees it."""
         fut = self._ahead.pop(index, None)  # one pop: atomic, no lock to wait for
         if fut is None or fut.cancel():
+            self.unplaced(1)
             return 0.0
-        return fut.result()
+        with self._unplaced_lock:
+            self._awaited.add(fut)
+        try:
+            return fut.result()
+        finally:
+            self._count_waiter(fut)
 
-    def _generate_ahead(self, _: Any = None) -> None:
+    def _count_waiter(self, fut: cf.Future) -> None:
+        """Count the window's shard that waited for generation ``fut`` as waiting for a
+        place, once (by whichever of it and ``fut``'s done-callback comes first)."""
+        with self._unplaced_lock:
+            if fut in self._awaited:
+                self._awaited.discard(fut)
+                self._unplaced += 1
+
+    def _generate_ahead(self, fut: Any = None) -> None:
         """Keep idle producers generating the shards after the window into the cache (called
         when the window is filled and whenever a producer finishes)."""
+        if isinstance(fut, cf.Future):
+            self._count_waiter(fut)  # a window's shard waited for it: it comes first
         stream = self.stream
         if not stream.generate_ahead or self.cancelled or stream.closed:
             return
