@@ -148,7 +148,7 @@ class ShardStream(Closing):
         self.auto_producers = producers == "auto"
         caches = bool(getattr(source, "cached", False)) and self._remote is None
         start = None if budget is None else start_knobs(
-            caches and bool(getattr(source, "generates_apart", False)) and self.auto_producers,
+            caches and source.generates_apart and self.auto_producers,
             usable_cores())
         prefetch = _validate.integer("prefetch", prefetch if fixed_prefetch else (
             DEFAULT_PREFETCH if start is None else start.prefetch), minimum=0)  # starts low

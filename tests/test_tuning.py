@@ -192,6 +192,7 @@ class FakeStream:
 
     def __init__(self) -> None:
         self.prefetch, self.producers = 0, 1  # as a stream with a budget starts
+        self.generate_ahead = 0  # no cache_dir: nothing generated ahead
 
     def set_prefetch(self, prefetch: int) -> None:
         self.prefetch = prefetch

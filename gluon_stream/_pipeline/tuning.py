@@ -443,7 +443,7 @@ class Tuner:
         setters = {"producers": self.target.set_producers, "prefetch": self.target.set_prefetch,
                    "num_workers": self.workers.set_active if self.workers is not None
                    else None}
-        ahead = getattr(self.target, "generate_ahead", None)
+        ahead = self.target.generate_ahead
         for name, before, after in sorted(
                 (("producers", old.producers, new.producers),
                  ("prefetch", old.prefetch, new.prefetch),
@@ -454,8 +454,8 @@ class Tuner:
                 continue
             setter(after)
             self._log(now, epoch, name, before, after, decision)
-        after_ahead = getattr(self.target, "generate_ahead", None)
-        if ahead is not None and after_ahead is not None and after_ahead != ahead:
+        after_ahead = self.target.generate_ahead
+        if after_ahead != ahead:
             self._log(now, epoch, "generate_ahead", ahead, after_ahead, replace(
                 decision, reason=f"follows prefetch {new.prefetch}: {after_ahead} shards "
                                  "generated ahead into the cache (disk, not memory: outside "
