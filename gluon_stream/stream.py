@@ -540,10 +540,11 @@ class ShardStream(Closing):
         thread: a future of the :class:`Shard`."""
         return self._res.executor.submit(self._produce, key, epoch, index, run, prepare)
 
-    def submit_generation(self, key: Any, epoch: int, run: EpochRun) -> cf.Future:
-        """Generate shard ``key`` of ``epoch`` into the cache for ``run`` in a producer thread
-        (it waits there for its turn in the window): a future of the seconds it took."""
-        return self._res.executor.submit(self._generate, key, epoch, run)
+    def submit_generation(self, key: Any, epoch: int, index: int, run: EpochRun) -> cf.Future:
+        """Generate shard ``key`` of ``epoch`` (at position ``index`` of ``run``'s pass) into
+        the cache for ``run`` in a producer thread (it waits there for its turn in the window):
+        a future of the seconds it took."""
+        return self._res.executor.submit(self._generate, key, epoch, index, run)
 
     def _produce(self, key: Any, epoch: int, index: int, run: "EpochRun | None",
                  prepare: Prepare | None) -> Shard:
@@ -564,11 +565,11 @@ class ShardStream(Closing):
             shard.record.cache_hit = False
         return shard
 
-    def _generate(self, key: Any, epoch: int, run: "EpochRun") -> float:
+    def _generate(self, key: Any, epoch: int, index: int, run: "EpochRun") -> float:
         """Runs in a producer thread: make a shard in the cache without loading it (it waits
         there, on disk, for its turn in the ``prefetch`` window); the seconds it took, or 0
         when it was cached already."""
-        with self._placed(run):
+        with self._placed(run, index, ahead=True):
             if run.cancelled:
                 raise LoaderClosed("epoch pass cancelled")
             lane = self._res.throttle.lane()
@@ -580,25 +581,26 @@ class ShardStream(Closing):
             return seconds
 
     @contextlib.contextmanager
-    def _placed(self, run: EpochRun, index: int | None = None) -> Iterator[float]:
-        """A producer's place for ``run``'s work, held for the block. For shard ``index`` of
-        the window, first its generation ahead, if one runs (the block gets its seconds). Until
-        the place is taken the run counts the work as queued (from the end of that
-        generation), so a generation ahead, started by a producer that just finished, does not
-        take the place a shard of the window is about to take: the window comes first."""
-        if index is None:
+    def _placed(self, run: EpochRun, index: int, ahead: bool = False) -> Iterator[float]:
+        """A producer's place for ``run``'s work on shard ``index``, held for the block: a
+        generation ahead (``ahead``), or a shard of the window, which first waits for its
+        generation ahead if one runs (the block gets its seconds). Places go in the order the
+        loop needs the shards (the pass's epoch, then ``index``: see :class:`Throttle`), and
+        until the place is taken the run counts the work as queued (from the end of that
+        generation), so no new generation ahead starts while the window's shard waits."""
+        if ahead:
             run.unplaced(1)
         got = 0.0
         try:
-            if index is not None:
+            if not ahead:
                 got = run.generated(index)  # counts the work as queued once it returns
-            self._res.throttle.__enter__()
+            self._res.throttle.take((run.epoch, index))
         finally:
             run.unplaced(-1)
         try:
             yield got
         finally:
-            self._res.throttle.__exit__()
+            self._res.throttle.give()
 
     def _make(self, key: Any, epoch: int, index: int, run: "EpochRun | None",
               prepare: Prepare | None, whole: bool = False, before: int | None = None) -> Shard:

@@ -181,9 +181,9 @@ def test_a_shard_made_before_its_callback_is_attached_generates_no_shard_of_the_
             cf.wait([fut])
         return fut
 
-    def generate_spied(self, key, epoch, run):
+    def generate_spied(self, key, epoch, index, run):
         ahead.append((epoch, key))
-        return generate(self, key, epoch, run)
+        return generate(self, key, epoch, index, run)
 
     monkeypatch.setattr(gs.ShardStream, "submit_shard", made_at_once)
     monkeypatch.setattr(gs.ShardStream, "submit_generation", generate_spied)
@@ -234,6 +234,48 @@ def test_a_shard_whose_generation_ahead_ends_takes_the_place_before_a_new_genera
     for key in ahead:  # each one's load came before the next generation began
         if key + 1 in ahead:
             assert events.index(("load", key)) < events.index(("generate", key + 1)), events
+
+
+def test_producers_take_places_in_the_order_the_loop_needs_the_shards(tmp_path, monkeypatch):
+    """Every load and every generation ahead waits for its place ranked by the pass's epoch
+    and the shard's position in it (the throttle hands places out in that order: a shard of
+    the window before a generation ahead of a later shard or of the next epoch)."""
+    from gluon_stream._pipeline.producers import Throttle
+    held = threading.local()
+    take = Throttle.take
+
+    def ranked_take(self, rank=()):
+        take(self, rank)
+        held.rank = rank
+
+    made = []
+    src = gs.FunctionSource(range(6), lambda k: np.arange(3) + 100 * k,
+                            cache_dir=tmp_path / "cache")
+    produce, ensure = src.produce, src.ensure_file
+
+    def spied_produce(key, epoch, *args, **kwargs):
+        made.append(("load", key, epoch, held.rank))
+        return produce(key, epoch, *args, **kwargs)
+
+    def spied_ensure(key, epoch, *args, **kwargs):
+        made.append(("generate", key, epoch, held.rank))
+        return ensure(key, epoch, *args, **kwargs)
+
+    monkeypatch.setattr(Throttle, "take", ranked_take)
+    monkeypatch.setattr(src, "produce", spied_produce)
+    monkeypatch.setattr(src, "ensure_file", spied_ensure)
+    positions = {}
+    with gs.ShardStream(src, prefetch=1, producers=2, shuffle=True, seed=3,
+                        num_epochs=2) as stream:
+        for epoch in range(2):
+            stream.set_epoch(epoch)
+            for shard in stream:
+                positions[(epoch, shard.key)] = shard.index
+    assert {what for what, *_ in made} == {"load", "generate"}, made
+    assert [sorted(k for (e, k) in positions if e == epoch) for epoch in range(2)] == \
+        [list(range(6))] * 2
+    for what, key, epoch, rank in made:
+        assert rank == (epoch, positions[(epoch, key)]), (what, key, epoch, rank)
 
 
 def test_a_shard_waiting_for_its_running_generation_keeps_no_other_producer_idle(tmp_path):

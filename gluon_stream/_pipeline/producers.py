@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import heapq
+import itertools
 import logging
 import threading
 import weakref
@@ -23,13 +25,18 @@ LANE_PREFIX = "gluon_stream-producer_"
 
 
 class Throttle:
-    """How many producers may work at once: fixed, or growing (``producers='auto'``).
+    """How many producers may work at once: fixed, or growing (``producers='auto'``), and which
+    work gets a free place first.
 
-    Up to ``bound`` producers; a shard's production waits here until fewer than ``active``
-    are running. :meth:`grow` admits one more; :meth:`set_active` (the ``memory_budget`` tuner)
-    sets the count. Each producer at work holds a place (0, 1, ...), which names its lane
-    (:meth:`lane`): the threads that run them may be more (one waits for a shard that another
-    generates ahead), the producers never are.
+    Up to ``bound`` producers; work waits in :meth:`take` until fewer than ``active`` are
+    running and no waiting work comes before it. Work comes in the order the loop needs it:
+    by ``rank`` (a pass's epoch, then the shard's position in it), so a shard of the window
+    the loop waits for takes a place before a generation ahead of a later shard, or of the
+    next epoch, however the threads are woken (the thread that just gave a place up would
+    otherwise take it again for its next task). :meth:`grow` admits one more; :meth:`set_active`
+    (the ``memory_budget`` tuner) sets the count. Each producer at work holds a place
+    (0, 1, ...), which names its lane (:meth:`lane`): the threads that run them may be more
+    (one waits for a shard that another generates ahead), the producers never are.
     """
 
     def __init__(self, active: int, bound: int) -> None:
@@ -38,23 +45,47 @@ class Throttle:
         self._cond = threading.Condition()
         self._closed = False
         self._places: dict[int, int] = {}  # thread id -> place
+        self._ranks: dict[int, tuple] = {}  # thread id -> the rank of the work it holds for
+        self._waiting: list[tuple] = []  # heap of (rank, ticket) waiting for a place
+        self._tickets = itertools.count()
 
-    def __enter__(self) -> None:
+    def take(self, rank: tuple = ()) -> None:
+        """Wait for a place, after any waiting work of a lower ``rank`` (equal ranks: first
+        come, first served), and hold it for this thread."""
         with self._cond:
-            while self.running >= self.active and not self._closed:
-                self._cond.wait(WAIT_SLICE_S)
+            entry = (rank, next(self._tickets))
+            heapq.heappush(self._waiting, entry)
+            try:
+                while (self.running >= self.active or self._waiting[0] != entry) \
+                        and not self._closed:
+                    self._cond.wait(WAIT_SLICE_S)
+            finally:
+                self._waiting.remove(entry)
+                heapq.heapify(self._waiting)
             if self._closed:
+                self._cond.notify_all()
                 raise LoaderClosed("the stream was closed")
             self.running += 1
             taken = set(self._places.values())
-            self._places[threading.get_ident()] = next(
-                p for p in range(len(taken) + 1) if p not in taken)
+            ident = threading.get_ident()
+            self._places[ident] = next(p for p in range(len(taken) + 1) if p not in taken)
+            self._ranks[ident] = rank
+            self._cond.notify_all()  # the next in line may find a place too
 
-    def __exit__(self, *exc: Any) -> None:
+    def give(self) -> None:
+        """Give this thread's place up."""
         with self._cond:
             self.running -= 1
-            self._places.pop(threading.get_ident(), None)
-            self._cond.notify()
+            ident = threading.get_ident()
+            self._places.pop(ident, None)
+            self._ranks.pop(ident, None)
+            self._cond.notify_all()
+
+    @property
+    def waiting(self) -> int:
+        """Work waiting for a place now."""
+        with self._cond:
+            return len(self._waiting)
 
     def lane(self) -> str:
         """The calling producer's lane: its place, or (outside the throttle: a shard made in
@@ -64,12 +95,14 @@ class Throttle:
 
     @contextlib.contextmanager
     def released(self) -> Iterator[None]:
-        """Give this producer's place to another while the block waits, then take one again."""
-        self.__exit__()
+        """Give this producer's place to another while the block waits, then take one again
+        (in the same rank)."""
+        rank = self._ranks.get(threading.get_ident(), ())
+        self.give()
         try:
             yield
         finally:
-            self.__enter__()
+            self.take(rank)
 
     def grow(self) -> bool:
         """Admit one more producer if the bound allows; whether it did."""
@@ -77,7 +110,7 @@ class Throttle:
             if self.active >= self.bound:
                 return False
             self.active += 1
-            self._cond.notify()
+            self._cond.notify_all()
             return True
 
     def set_active(self, active: int) -> None:

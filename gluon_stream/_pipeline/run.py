@@ -92,8 +92,9 @@ class ShardMaker(Protocol):
                      prepare: Prepare | None) -> cf.Future:
         """Produce shard ``key`` at position ``index`` of ``epoch`` in a producer thread."""
 
-    def submit_generation(self, key: Any, epoch: int, run: EpochRun) -> cf.Future:
-        """Generate shard ``key`` into the cache in a producer thread: its seconds."""
+    def submit_generation(self, key: Any, epoch: int, index: int, run: EpochRun) -> cf.Future:
+        """Generate shard ``key`` (at position ``index`` of ``run``'s pass) into the cache in
+        a producer thread: its seconds."""
 
     def waited(self, key: Any, queued: int = 0) -> None:
         """The consumer had to wait for shard ``key`` (``queued``: shards not started)."""
@@ -266,7 +267,8 @@ class EpochRun:
             self._lookahead.append(nxt)
         for key, index in self._lookahead:
             if index not in self._ahead and index not in self._preskipped:
-                fut = stream.submit_generation(key, stream.made_epoch(self.epoch, index), self)
+                fut = stream.submit_generation(key, stream.made_epoch(self.epoch, index), index,
+                                               self)
                 self._ahead[index] = fut
                 fut.add_done_callback(self._generate_ahead)
                 return  # one at a time: the next call sees whether a producer is still idle
