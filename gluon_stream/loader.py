@@ -465,6 +465,7 @@ def _watch(loader: StreamLoader, tuner: Tuner, path: BatchPath) -> None:
         workers = path.workers
         assert isinstance(workers, mx_workers.ProcessWorkers)  # forked, one per core
         tuner.watch_workers(workers, lambda: path.wait_s, per_worker, loader._tuned_workers)
+        path.on_batch = tuner.batch_taken
 
 
 def _check_ctx(ctx: Any, shards_on_ctx: bool, vectorised: bool) -> Any:

@@ -418,14 +418,8 @@ def test_the_per_sample_path_counts_its_workers_slots():
 
 @pytest.mark.mxnet
 def test_slow_per_sample_work_gets_more_worker_processes_bounded_by_cores():
-    def slow(ids, x):  # CPU per sample: the workers, not the shards, hold the loop up
-        end = time.process_time() + 0.0004
-        while time.process_time() < end:
-            pass
-        return ids, x
-
     loader = gs.StreamLoader(slow_source(range(10)), batch_size=20, memory_budget="1GiB",
-                             sample_transform=slow, batchify_fn=np.stack)
+                             sample_transform=_busy_per_sample, batchify_fn=np.stack)
     cores = usable_cores()
     assert loader.num_workers == cores  # forked once, here; batches go to as many as help
     for _ in loader:
@@ -435,6 +429,39 @@ def test_slow_per_sample_work_gets_more_worker_processes_bounded_by_cores():
         assert grew and grew[0].old == 1 and "for per-sample batches" in grew[0].reason
     assert all(r.new <= cores for r in grew)
     assert "num_workers" in str(loader.stats.diagnose()).splitlines()[-1]
+    loader.close()
+
+
+def _busy_per_sample(ids, x):  # CPU per sample: the workers, not the shards, hold the loop up
+    end = time.process_time() + 0.0004
+    while time.process_time() < end:
+        pass
+    return ids, x
+
+
+def test_workers_grow_within_the_first_shard_when_the_loop_clearly_waits_for_them():
+    """One large shard: no second shard ever shows the wait, so only the look every
+    EARLY_BATCHES batches within the shard can give its batches to more workers."""
+    cores = usable_cores()
+    if cores < 2:
+        pytest.skip("one usable core: the workers cannot grow")
+    from gluon_stream._pipeline.tuning import EARLY_BATCHES
+    loader = gs.StreamLoader(slow_source([0], rows=600), batch_size=20, memory_budget="1GiB",
+                             sample_transform=_busy_per_sample)
+    ids = np.concatenate([batch[0].asnumpy() for batch in loader])
+    assert sorted(ids.tolist()) == list(range(600))  # every sample once, whatever the tuner
+    grew = [r for r in loader.stats.tuning if r.setting == "num_workers"]
+    assert grew and grew[0].old == 1 and grew[0].new <= cores, loader.stats.tuning
+    assert f"{EARLY_BATCHES} batches" in grew[0].reason or "batches (epoch 0)" in grew[0].reason
+    loader.close()
+
+
+def test_a_slow_step_gives_per_sample_batches_to_no_more_workers():
+    loader = gs.StreamLoader(slow_source([0, 1], rows=200), batch_size=20, memory_budget="1GiB",
+                             sample_transform=lambda ids, x: (ids, x), batchify_fn=np.stack)
+    for _ in loader:
+        time.sleep(0.02)  # the step, not the workers, holds the loop up
+    assert not [r for r in loader.stats.tuning if r.setting == "num_workers"]
     loader.close()
 
 

@@ -176,6 +176,8 @@ class SamplePath:
         self.wait_s = 0.0  # seconds the loop waited for (or, inline, made) batches, in total
         self._numbers: Iterator[int] = itertools.count()  # the epoch's batch numbers
         self._seed_of: Callable[[int], int] | None = None
+        #: called in the loop's thread after each batch it takes (the memory_budget tuner)
+        self.on_batch: Callable[[], None] | None = None
 
     @staticmethod
     def _to_shared(arrays: tuple, order: np.ndarray | None, what: str) -> tuple:
@@ -327,6 +329,8 @@ class SamplePath:
             data = self.workers.result(tid, self.timeout, what)
         finally:
             self.wait_s += time.perf_counter() - start
+        if self.on_batch is not None:
+            self.on_batch()
         for sid in sids:
             self._release(live, sid)
         if self.pin is not None:

@@ -34,7 +34,9 @@ tuner gives batches to more of them):
 4. the loop waited for per-sample batches at least :data:`WAIT_SHARE` of the time, and more
    than for shards: workers rise to ``ceil(workers x wall / the loop's own seconds)`` (at
    least one more), bounded by the cores and by the budget (their slots); decided after one
-   shard when the loop waited :data:`CLEAR_WAIT_SHARE` of it or more;
+   shard when the loop waited :data:`CLEAR_WAIT_SHARE` of it or more, and within a shard,
+   every :data:`EARLY_BATCHES` batches, when the loop waited that share of the time it held
+   a shard (so a large first shard is not made at one worker's pace);
 5. the loop waited less than :data:`WAIT_SHARE` of the time for shards: nothing changes
    (training, or per-sample work, is the bottleneck);
 6. it waited: producers rise to ``ceil(production seconds per shard / the loop's seconds per
@@ -60,7 +62,7 @@ from .._utils.validate import format_bytes
 from ..errors import MemoryBudgetTooSmall
 from ..records import TuningRecord
 
-__all__ = ["CLEAR_WAIT_SHARE", "DEFAULT_PREFETCH", "Knobs", "LEAST_PREFETCH", "Limits",
+__all__ = ["CLEAR_WAIT_SHARE", "DEFAULT_PREFETCH", "EARLY_BATCHES", "Knobs", "LEAST_PREFETCH", "Limits",
            "MIN_SHARDS", "Measured", "START_PREFETCH", "Tunable", "TunableWorkers", "Tuner",
            "WAIT_SHARE", "decide", "footprint", "start_knobs"]
 
@@ -72,6 +74,8 @@ WAIT_SHARE = 0.05  # the loop waiting less than this share of the time for shard
 # the loop waiting this share of a shard's time or more for per-sample batches: more workers at
 # once, without the MIN_SHARDS a subtler wait needs (as a busy wait adds a producer at once)
 CLEAR_WAIT_SHARE = 0.5
+# per-sample batches between looks at the workers within a shard (rule 4's clear wait)
+EARLY_BATCHES = 4
 LEAST_PREFETCH = 0  # no shard ahead: the next one is made when the loop asks for it
 # before the first shard is measured: with one producer, the first shard and the second one
 # being made hold three shards at most, as the least does (the tuner then decides)
@@ -220,8 +224,7 @@ def decide(knobs: Knobs, m: Measured, limits: Limits) -> Decision | None:
     """The next settings and their reason, or None to keep ``knobs`` (see the module doc)."""
     if not m.shard_bytes:
         return None
-    room = (f"{format_bytes(m.shard_bytes)} fit in the budget of "
-            f"{format_bytes(limits.budget)}")
+    room = _room(m, limits)
     if not _fits(knobs, m, limits):
         return Decision(_largest(knobs, m, limits),
                         f"shards grew to {format_bytes(m.shard_bytes)}: fewer held to stay "
@@ -283,7 +286,8 @@ def decide(knobs: Knobs, m: Measured, limits: Limits) -> Decision | None:
     return None
 
 
-def _more_workers(knobs: Knobs, m: Measured, limits: Limits, room: str) -> Decision | None:
+def _more_workers(knobs: Knobs, m: Measured, limits: Limits, room: str,
+                  over: str = "") -> Decision | None:
     """The loop waits for per-sample batches more than for shards: more worker processes,
     ``ceil(workers x wall / the loop's own seconds)`` (the workers were busy all along), at
     least one more, up to ``max_workers`` (the cores) and the budget."""
@@ -298,8 +302,9 @@ def _more_workers(knobs: Knobs, m: Measured, limits: Limits, room: str) -> Decis
         got = replace(got, workers=got.workers + 1)
     if got == knobs:
         return None
+    over = over or f"{m.shards} shards"
     waited = (f"the loop waited {100 * m.worker_wait_s / m.wall_s:.0f} % of its last "
-              f"{m.shards} shards (epoch {m.epoch}) for per-sample batches")
+              f"{over} (epoch {m.epoch}) for per-sample batches")
     return Decision(got, f"{waited}; {got.workers} workers' batches and "
                          f"{_held(got, limits)} {room}"
                          + (" (it holds no more)" if got != wanted else ""), got != wanted)
@@ -316,6 +321,10 @@ def _grown(knobs: Knobs, wanted: Knobs, m: Measured, limits: Limits) -> Knobs:
             break
         got = step
     return got
+
+
+def _room(m: Measured, limits: Limits) -> str:
+    return f"{format_bytes(m.shard_bytes)} fit in the budget of {format_bytes(limits.budget)}"
 
 
 def _held(knobs: Knobs, limits: Limits) -> str:
@@ -373,11 +382,13 @@ class Tuner:
         self._worker_wait: Callable[[], float] = lambda: 0.0
         self._lock = threading.Lock()
         self._shard_bytes, self._sample_bytes = 0, 0.0
+        self._epoch = 0  # of the last shard handed out
         self._reset(clock())
 
     def _reset(self, now: float) -> None:
         self._since, self._shards, self._wait_s, self._busy, self._produce_s = now, 0, 0.0, 0, 0.0
         self._worker_wait_at = self._worker_wait()
+        self._batches = 0  # per-sample batches taken since the last change
 
     def reserve_rows(self, rows: int) -> None:
         """Rows of batches the consumer keeps in flight (counted at the shards' bytes per
@@ -421,6 +432,7 @@ class Tuner:
                 self._shard_bytes = nbytes
                 self._sample_bytes = nbytes / samples if samples else 0.0
             self._shards += 1
+            self._epoch = epoch
             self._wait_s += wait_s
             self._produce_s += produce_s
             now = self.clock()
@@ -434,6 +446,31 @@ class Tuner:
             if decision is None or decision.knobs == knobs:
                 return
             self._apply(knobs, decision, now, epoch)
+            self._reset(now)
+
+    def batch_taken(self) -> None:
+        """A per-sample batch reached the loop (in its thread). Every :data:`EARLY_BATCHES`
+        of them, once a shard's size is known, the workers grow at once if the loop waited
+        for their batches :data:`CLEAR_WAIT_SHARE` or more of the time it held a shard (rule
+        4 without waiting for the shard's end)."""
+        with self._lock:
+            self._batches += 1
+            if self._batches % EARLY_BATCHES or not self._shard_bytes \
+                    or self.workers is None:
+                return
+            now = self.clock()
+            held = now - self._since - self._wait_s  # not waiting for a shard
+            worker_wait = self._worker_wait() - self._worker_wait_at
+            if held <= 0 or worker_wait < CLEAR_WAIT_SHARE * held:
+                return
+            m = Measured(self._shard_bytes, self._sample_bytes, self._shards, held,
+                         epoch=self._epoch, worker_wait_s=worker_wait)
+            knobs = self.knobs()
+            decision = _more_workers(knobs, m, self.limits, _room(m, self.limits),
+                                     f"{self._batches} batches")
+            if decision is None or decision.knobs == knobs:
+                return
+            self._apply(knobs, decision, now, self._epoch)
             self._reset(now)
 
     def _apply(self, old: Knobs, decision: Decision, now: float, epoch: int) -> None:
