@@ -180,6 +180,25 @@ def test_stragglers_and_window_epochs_run_end_to_end_on_tiny_settings():
     assert "stragglers: gluon_stream x ideal" in names and "window-epochs balanced" in names
 
 
+def test_every_pipeline_contender_takes_the_shards_in_the_stream_loaders_order(tmp_path):
+    """The StreamLoader shuffles the shard order (shuffle=True): the other contenders take the
+    shards in that same order, so a straggling date falls at the same place for everyone (the
+    hand-built pipeline took them in key order and started on a quick date while the loader's
+    first shard was a straggler)."""
+    from gluon_stream.tools.bench.measure import Probe
+    from gluon_stream.tools.bench.pipeline import _naive
+    workload = bench.Workload(shards=7, rows=80, step_ms=0, seed=5)
+    order = workload.shard_order()
+    assert sorted(order) == workload.keys() and order != workload.keys()
+    source = gs.FunctionSource(workload.keys(), lambda key: np.zeros(1))
+    with gs.ShardStream(source, shuffle=True, seed=workload.seed) as stream:
+        assert [shard.key for shard in stream] == order
+    probe = Probe()
+    for _ in _naive(workload, str(tmp_path), probe):
+        pass
+    assert [c["key"] for c in probe.components] == order
+
+
 def test_the_cli_runs_the_new_scenarios_by_name(monkeypatch, tmp_path):
     seen = {}
 

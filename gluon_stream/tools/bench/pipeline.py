@@ -69,7 +69,7 @@ def _naive(workload: Workload, directory: str, probe: Probe) -> Iterator[Any]:
     """Per shard in turn: generate, load, transform, ArrayDataset, DataLoader(num_workers=0)."""
     from mxnet import gluon
 
-    for index, key in enumerate(workload.keys()):
+    for index, key in enumerate(workload.shard_order()):
         data, label, costs = _prepare(workload, key, directory)
         probe.components.append(dict(costs, key=key))
         loader = gluon.data.DataLoader(gluon.data.ArrayDataset(data, label),
@@ -85,7 +85,7 @@ def _dataloader_per_shard(workload: Workload, directory: str, probe: Probe) -> I
     """The usual advice: DataLoader(num_workers=N, last_batch='rollover') rebuilt per shard."""
     from mxnet import gluon
 
-    for index, key in enumerate(workload.keys()):
+    for index, key in enumerate(workload.shard_order()):
         data, label, costs = _prepare(workload, key, directory)
         loader = gluon.data.DataLoader(gluon.data.ArrayDataset(data, label),
                                        batch_size=workload.batch_size, shuffle=True,
@@ -113,7 +113,7 @@ class _ShardQueueIter(data_iter_base()):  # type: ignore[misc]
         self.provide_label = [mx.io.DataDesc("softmax_label", (workload.batch_size,))]
         self._pool = cf.ThreadPoolExecutor(workload.producers,
                                            thread_name_prefix="gluon_stream-bench-producer")
-        self._keys = iter(workload.keys())
+        self._keys = iter(workload.shard_order())
         self._pending: deque = deque()
         self._rng = np.random.default_rng(workload.seed)
         self._data = self._label = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..._pipeline.keys import part_keys
 from ..generator import generator_command
 
 __all__ = ["Workload", "ideal_time", "wave_bound"]
@@ -44,6 +45,12 @@ class Workload:
 
     def keys(self) -> list[str]:
         return [f"s{i:04d}" for i in range(self.shards)]
+
+    def shard_order(self) -> list[str]:
+        """The keys in the order a ``StreamLoader(shuffle=True, seed=self.seed)`` reads them in
+        epoch 0: every contender takes the shards in this order, so the stragglers fall at the
+        same places for all (and the ideal is computed over it)."""
+        return part_keys(self.keys(), self.seed, 0, 1, 0, True, "shards")
 
     def command(self) -> list[str]:
         """The built-in generator's argv for this workload (``{key}``, ``{path}``, ``{epoch}``)."""
