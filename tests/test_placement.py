@@ -92,3 +92,41 @@ def test_stream_iter_passes_one_context_through_to_module_batches():
         contexts = {str(a.context) for batch in it for a in batch.data + batch.label}
         it.close()
     assert contexts == {"cpu(1)"}
+
+
+@pytest.mark.parametrize("ctx", [mx.cpu(0), mx.cpu(1), mx.cpu_pinned(0)])
+def test_slice_rows_is_a_view_with_the_rows_getitem_gives(ctx):
+    """The slice path's batches are cut with one C call, not NDArray.__getitem__ (which reads
+    the shape three times): the same rows, the same context, memory shared as a view."""
+    from gluon_stream._mx.arrays import slice_rows
+    base = mx.nd.array(np.arange(60, dtype=np.float32).reshape(10, 3, 2), ctx=ctx)
+    for start, stop in [(0, 10), (3, 7), (9, 10), (4, 4)]:
+        view = slice_rows(base, start, stop)
+        assert view.context == ctx and view.shape == base[start:stop].shape
+        np.testing.assert_array_equal(view.asnumpy(), base.asnumpy()[start:stop])
+    view = slice_rows(base, 2, 5)
+    view[:] = -1  # a view: writing through it writes the base's rows
+    assert (base.asnumpy()[2:5] == -1).all() and (base.asnumpy()[5:] >= 0).all()
+    rows = np.arange(12).reshape(6, 2)
+    cut = slice_rows(rows, 1, 3)  # numpy: sliced as usual, a view
+    assert np.shares_memory(cut, rows) and cut.tolist() == [[2, 3], [4, 5]]
+    with pytest.raises(mx.base.MXNetError):
+        slice_rows(base, 8, 11)  # past the end: MXNet refuses, as __getitem__ would
+
+
+def test_the_slice_path_cuts_batches_without_ndarray_getitem(monkeypatch):
+    """Keeps the loop's per-batch cost down: every batch of a shard is cut by slice_rows."""
+    calls = []
+    getitem = mx.nd.NDArray.__getitem__
+
+    def counted(self, key):
+        calls.append(key)
+        return getitem(self, key)
+
+    source = gs.FunctionSource(range(3), lambda k: np.arange(40, dtype=np.float32) + 100 * k)
+    with gs.StreamLoader(source, batch_size=8) as loader:
+        monkeypatch.setattr(mx.nd.NDArray, "__getitem__", counted)
+        values = [batch.asnumpy() for batch in loader]
+    assert len(values) == 15 and sorted(np.concatenate(values).tolist()) == sorted(
+        float(v + 100 * k) for k in range(3) for v in range(40))
+    assert not calls

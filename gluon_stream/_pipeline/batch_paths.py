@@ -126,7 +126,7 @@ class SlicePath:
             for batch in plan.batches():  # only the joined batch opens with carried samples
                 parts = carry.take_all() if batch is plan.joined else []
                 own = batch.segments[-1]
-                piece = tuple(a[own.start:own.stop] for a in arrays)
+                piece = tuple(mx_arrays.slice_rows(a, own.start, own.stop) for a in arrays)
                 self._left -= 1
                 if not self._left and not parts:
                     # the unit's last batch is a copy: a slice would keep the whole unit alive
