@@ -35,7 +35,7 @@ import numpy as np
 from .batching import Position, mixed_order, window_slice
 from .keys import EMPTY_PASSES, part_endless
 from .sizes import part_count, part_rows, stride_of, stride_turn
-from .state import keys_digest, unit_lengths
+from .state import check_rank_keys, unit_lengths
 from ..errors import InvalidState
 
 __all__ = ["Drawn", "Mixed", "PartStream", "Piece", "Remainder", "Stretch", "Take",
@@ -466,8 +466,8 @@ def resolve(spec: Mapping[str, Any], keys_of: KeysOf,
         if own is not None and "pass" in saved:  # read its own stream: the rest of its quota
             per_rank.append(own.takes(saved, rank))
             continue
-        _check_rank_keys(saved, [p.key if isinstance(p, Piece) else p
-                                 for p in units(epoch, rank)], epoch, rank)
+        check_rank_keys(saved, [p.key if isinstance(p, Piece) else p
+                                for p in units(epoch, rank)], epoch, rank)
         if window > 1:
             per_rank.append(_WindowCuts(saved, rank, epoch, window, spec["seed"], units,
                                         take).takes())
@@ -532,7 +532,7 @@ class _Quotas:
         epoch, unit, offset = saved["pass"], saved["unit"], saved["offset"]
         keys = stream.keys(epoch)
         if keys is not None:
-            _check_rank_keys(saved, keys, epoch, rank)
+            check_rank_keys(saved, keys, epoch, rank)
         at = stream.at(epoch, unit)
         if at is not None and offset > at.stop:
             raise InvalidState(f"the state of rank {rank} stands at row {offset} of "
@@ -717,15 +717,3 @@ def _units_named(saved: Mapping[str, Any], epoch: int) -> list:
     """The positions of ``epoch`` a rank's saved position refers to."""
     return [u for e, u, _, _ in saved["carry"] if e == epoch] + \
         ([] if saved["end"] else [saved["unit"]])
-
-
-def _check_rank_keys(saved: Mapping[str, Any], keys: list, epoch: int, rank: int) -> None:
-    digest = saved.get("keys")
-    if digest is None:
-        return
-    now = keys[:digest["count"]]
-    if len(now) != digest["count"] or keys_digest(now) != digest["digest"]:
-        raise InvalidState(
-            f"field 'keys': the keys of epoch {epoch} are not those rank {rank}'s state was "
-            f"saved with (its first {digest['count']} shard(s) differ now); resuming would "
-            "repeat or skip samples. Resume with the keys it was saved with")

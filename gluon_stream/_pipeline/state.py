@@ -20,8 +20,8 @@ from .._utils import validate as _validate
 from .batching import Position, Segment, WindowMixer
 from ..errors import InvalidState
 
-__all__ = ["STATE_VERSION", "LoaderState", "UnitLengths", "check_segment_key", "checksum",
-           "decode_state", "encode_state", "keys_digest", "unit_lengths", "verify"]
+__all__ = ["STATE_VERSION", "LoaderState", "UnitLengths", "check_rank_keys", "check_segment_key",
+           "checksum", "decode_state", "encode_state", "keys_digest", "unit_lengths", "verify"]
 
 STATE_VERSION = 3
 _JSON_KEY = (str, int, float)
@@ -396,3 +396,17 @@ def check_segment_key(segment: Segment, keys: Sequence[Any] | None, first: int =
             f"the keys of epoch {segment.epoch} changed since the state was saved: samples "
             f"it holds came from shard {segment.unit} = {segment.key!r}, which is {found!r} now; "
             "resume with the keys the state was saved with")
+
+
+def check_rank_keys(saved: Mapping[str, Any], keys: list, epoch: int, rank: int) -> None:
+    """An old rank's saved keys (a digest of its first ones) are still ``keys``' first ones
+    now; InvalidState naming the epoch and the rank if not."""
+    digest = saved.get("keys")
+    if digest is None:
+        return
+    now = keys[:digest["count"]]
+    if len(now) != digest["count"] or keys_digest(now) != digest["digest"]:
+        raise InvalidState(
+            f"field 'keys': the keys of epoch {epoch} are not those rank {rank}'s state was "
+            f"saved with (its first {digest['count']} shard(s) differ now); resuming would "
+            "repeat or skip samples. Resume with the keys it was saved with")
