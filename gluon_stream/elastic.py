@@ -14,7 +14,8 @@ import json
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ._pipeline.batching import Position, Segment
-from ._pipeline.remainder import Remainder, resolve
+from ._pipeline.remainder import Remainder
+from ._pipeline.resolve import resolve
 from ._pipeline.state import STATE_VERSION, LoaderState, checksum, unit_lengths, verify
 from .errors import InvalidState
 from .stream import ShardStream
