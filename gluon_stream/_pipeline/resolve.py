@@ -1,7 +1,8 @@
 """The remainder a merged state describes: each old rank's takes, grouped into pieces.
 
 :func:`gluon_stream.merge_states` joins the old ranks' positions into a spec; :func:`resolve`
-cuts what each rank has left into a
+cuts what each rank has left (:mod:`~gluon_stream._pipeline.quotas` with
+``samples_per_epoch``) into a
 :class:`~gluon_stream._pipeline.remainder.Remainder`.
 """
 from __future__ import annotations
@@ -9,8 +10,8 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Mapping
 
 from .keys import part_endless
-from .remainder import (Drawn, KeysOf, Mixed, Piece, Quotas, Remainder, SizeOf, Take,
-                        WindowCuts, remainder_deal)
+from .quotas import KeysOf, Quotas, SizeOf
+from .remainder import Drawn, Mixed, Piece, Remainder, Take, WindowCuts, remainder_deal
 from .sizes import stride_of
 from .state import check_rank_keys
 from ..errors import InvalidState

@@ -14,7 +14,7 @@ import logging
 from .batching import Position, Segment
 from .epoch import EpochPass
 from .feed import Carry
-from .remainder import PartStream, endless_drawn
+from .quotas import PartStream, endless_drawn
 from .state import LoaderState
 from ..errors import InvalidState
 from ..stream import EpochRun, ShardStream
