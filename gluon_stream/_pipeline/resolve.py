@@ -1,8 +1,8 @@
 """The remainder a merged state describes: each old rank's takes, grouped into pieces.
 
 :func:`gluon_stream.merge_states` joins the old ranks' positions into a spec; :func:`resolve`
-cuts what each rank has left (:mod:`~gluon_stream._pipeline.quotas` with
-``samples_per_epoch``) into a
+cuts what each rank has left (:mod:`~gluon_stream._pipeline.quotas` with ``samples_per_epoch``,
+:mod:`~gluon_stream._pipeline.window_cuts` with a shuffle window) into a
 :class:`~gluon_stream._pipeline.remainder.Remainder`.
 """
 from __future__ import annotations
@@ -11,9 +11,10 @@ from typing import Any, Callable, Iterator, Mapping
 
 from .keys import part_endless
 from .quotas import KeysOf, Quotas, SizeOf
-from .remainder import Drawn, Mixed, Piece, Remainder, Take, WindowCuts, remainder_deal
+from .remainder import Drawn, Mixed, Piece, Remainder, Take, remainder_deal
 from .sizes import stride_of
 from .state import check_rank_keys
+from .window_cuts import WindowCuts
 from ..errors import InvalidState
 
 __all__ = ["resolve"]
