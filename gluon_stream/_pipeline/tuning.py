@@ -62,9 +62,9 @@ from .._utils.validate import format_bytes
 from ..errors import MemoryBudgetTooSmall
 from ..records import TuningRecord
 
-__all__ = ["CLEAR_WAIT_SHARE", "DEFAULT_PREFETCH", "EARLY_BATCHES", "Knobs", "LEAST_PREFETCH", "Limits",
-           "MIN_SHARDS", "Measured", "START_PREFETCH", "Tunable", "TunableWorkers", "Tuner",
-           "WAIT_SHARE", "decide", "footprint", "start_knobs"]
+__all__ = ["CLEAR_WAIT_SHARE", "DEFAULT_PREFETCH", "EARLY_BATCHES", "Knobs", "LEAST_PREFETCH",
+           "Limits", "MIN_SHARDS", "Measured", "START_PREFETCH", "Tunable", "TunableWorkers",
+           "Tuner", "WAIT_SHARE", "decide", "footprint", "start_knobs"]
 
 logger = logging.getLogger(__name__)
 
@@ -468,7 +468,7 @@ class Tuner:
             knobs = self.knobs()
             decision = _more_workers(knobs, m, self.limits, _room(m, self.limits),
                                      f"{self._batches} batches")
-            if decision is None or decision.knobs == knobs:
+            if decision is None:  # it never returns the knobs unchanged
                 return
             self._apply(knobs, decision, now, self._epoch)
             self._reset(now)

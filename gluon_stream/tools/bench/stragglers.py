@@ -11,9 +11,9 @@ pipeline: generator threads, a bounded queue, ``mx.io.PrefetchingIter``), ``gluo
 (the library's defaults), ``gluon_stream-recommended`` (``producers=2, prefetch=2``) and
 ``dataloader-per-shard``. Every contender takes the dates in the order the StreamLoader reads
 them (``shuffle=True`` shuffles the shard order: :meth:`Workload.shard_order`), so a straggler
-falls at the same place for all. ``ideal``: two producers take the dates in that order, each as soon as it
-is free, and each shard is trained on as soon as it exists and the one before it is done
-(:func:`ideal_in_order`, from the costs ``naive`` measured in the same round).
+falls at the same place for all. ``ideal``: two producers take the dates in that order, each
+as soon as it is free, and each shard is trained on as soon as it exists and the one before
+it is done (:func:`ideal_in_order`, from the costs ``naive`` measured in the same round).
 """
 from __future__ import annotations
 
