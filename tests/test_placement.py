@@ -130,3 +130,26 @@ def test_the_slice_path_cuts_batches_without_ndarray_getitem(monkeypatch):
     assert len(values) == 15 and sorted(np.concatenate(values).tolist()) == sorted(
         float(v + 100 * k) for k in range(3) for v in range(40))
     assert not calls
+
+
+@pytest.mark.parametrize("ctx", [mx.cpu(0), mx.cpu_pinned(0)])
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.uint8, np.bool_])
+def test_a_shard_is_gathered_in_its_order_straight_into_its_ndarray(ctx, dtype, monkeypatch):
+    """A contiguous shard's rows in a shuffled order (a permutation, or a rank's subset) are
+    gathered into the NDArray's memory in one pass: the rows order gives, in order, with no
+    chunk copied in between; a strided view (sliding windows) still goes by chunks."""
+    from gluon_stream._mx import arrays as mx_arrays
+    raw = (np.arange(7 * 3 * 2).reshape(7, 3, 2) % 5).astype(dtype)
+    chunked = []
+    real_chunks = mx_arrays.row_chunks
+    monkeypatch.setattr(mx_arrays, "row_chunks",
+                        lambda *a, **k: chunked.append(1) or real_chunks(*a, **k))
+    for order in [np.array([3, 0, 6, 1, 5, 2, 4]), np.array([5, 1, 2]), np.array([], np.int64)]:
+        out = mx_arrays.to_ndarray(raw, ctx, order)
+        assert out.context == ctx and out.dtype == raw.dtype and out.shape == raw[order].shape
+        np.testing.assert_array_equal(out.asnumpy(), raw[order])
+    assert not chunked
+    windows = np.lib.stride_tricks.sliding_window_view((np.arange(20) % 3).astype(dtype), 4)
+    np.testing.assert_array_equal(
+        mx_arrays.to_ndarray(windows, ctx, np.array([9, 0, 4])).asnumpy(), windows[[9, 0, 4]])
+    assert chunked

@@ -48,9 +48,10 @@ def to_ndarray(array: np.ndarray, ctx: Any, order: np.ndarray | None = None) -> 
     new NDArray of its dtype.
 
     ``nd.empty`` + ``_sync_copyfrom`` is 4-5x faster than ``nd.array`` and, unlike
-    ``nd.array`` without ``dtype``, keeps int64 as int64. With ``order`` (or for a strided
-    view, such as sliding windows) the rows are copied a few MB at a time straight into the
-    NDArray, so no permuted or contiguous copy of the whole shard exists.
+    ``nd.array`` without ``dtype``, keeps int64 as int64. With ``order``, a contiguous array's
+    rows are gathered straight into a host NDArray's memory; a strided view (sliding windows)
+    or another context is copied a few MB at a time. No permuted or contiguous copy of the
+    whole shard exists besides the NDArray.
     """
     nd = import_mxnet().nd
     rows = array.shape[0] if order is None else len(order)
@@ -58,9 +59,32 @@ def to_ndarray(array: np.ndarray, ctx: Any, order: np.ndarray | None = None) -> 
     if order is None and array.flags.c_contiguous:
         out._sync_copyfrom(array)
         return out
-    for begin, chunk in row_chunks(array, order):  # a strided view is read in chunks too
+    if order is not None and array.flags.c_contiguous and out.context.device_type in _HOST:
+        # rows gathered straight into the NDArray's memory: one pass, no chunk in between
+        # (about a third faster than chunks). 'clip' takes no bounds-checked buffer copy (the
+        # 'raise' default does), and our orders are in range. The NDArray is new: no pending
+        # operation of MXNet's engine can touch its memory yet.
+        np.take(array, order, axis=0, out=_host_view(out), mode="clip")
+        return out
+    for begin, chunk in row_chunks(array, order):  # a strided view is read in chunks
         out[begin:begin + len(chunk)]._sync_copyfrom(chunk)
     return out
+
+
+_HOST = frozenset({"cpu", "cpu_pinned", "cpu_shared"})
+
+
+def _host_view(out: Any) -> np.ndarray:
+    """A writable numpy view of a new, dense NDArray in host memory (no copy)."""
+    dl = _dlpack()
+    pointer = ctypes.c_void_p()
+    dl["check"](dl["lib"].MXNDArrayGetData(out.handle, ctypes.byref(pointer)))
+    dtype = np.dtype(out.dtype)
+    size = int(np.prod(out.shape, dtype=np.int64))
+    if not size:
+        return np.empty(out.shape, dtype=dtype)
+    buffer = (ctypes.c_char * (size * dtype.itemsize)).from_address(pointer.value)
+    return np.frombuffer(buffer, dtype=dtype).reshape(out.shape)
 
 
 def gather_to_ndarray(sources: Sequence[np.ndarray], which: np.ndarray, rows: np.ndarray,
