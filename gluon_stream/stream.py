@@ -623,6 +623,7 @@ class ShardStream(Closing):
                               f"(file {raw.path!r}, epoch {epoch})")
                 raise
             arrays = normalize_arrays(value, what=f"transform output of shard {key!r}")
+            del arg, value  # the transform's output is held by ``arrays`` alone
         full_size = len(arrays[0])
         nbytes = sum(int(getattr(a, "nbytes", 0)) for a in arrays)
         if run is not None and run.offsets is not None:  # deal='balanced'
@@ -632,7 +633,11 @@ class ShardStream(Closing):
             raise LoaderClosed("epoch pass cancelled")
         names = names_of(arrays)
         if prepare is not None:  # it applies the order while copying (no extra copy)
-            arrays = prepare(arrays, order, f"shard {key!r} (file {raw.path!r}, epoch {epoch})")
+            what = f"shard {key!r} (file {raw.path!r}, epoch {epoch})"
+            # a tuple of our own, and the raw shard's let go: an array no one else holds may
+            # be consumed by its copy (see gluon_stream._mx.consumed)
+            arrays, raw.arrays = tuple(list(arrays)), ()
+            arrays = prepare(arrays, order, what)
         elif order is not None:
             arrays = tuple(a[order] for a in arrays)  # not np.take: it copies a strided input
         shard = Shard(key, epoch, index, arrays, names=names, full_size=full_size)

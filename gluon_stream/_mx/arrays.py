@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from . import import_mxnet
+from .consumed import consume_into
 
 __all__ = ["GATHER_CHUNK_BYTES", "ZERO_COPY_DTYPES", "as_in_context", "batch_context", "concat",
            "copy_into", "gather_to_ndarray", "place", "row_chunks", "row_index", "slice_rows",
@@ -43,9 +44,15 @@ def row_chunks(array: np.ndarray, order: np.ndarray | None, chunk_bytes: int = G
                       else array[order[begin:end]])
 
 
-def to_ndarray(array: np.ndarray, ctx: Any, order: np.ndarray | None = None) -> Any:
+def to_ndarray(array: np.ndarray, ctx: Any, order: np.ndarray | None = None,
+               consume: bool = False) -> Any:
     """Copy a numpy array (its rows in ``order``, if given: a permutation, or a subset) into a
     new NDArray of its dtype.
+
+    ``consume``: the caller drops ``array`` next and nothing else holds it
+    (:func:`~gluon_stream._mx.consumed.held_alone`): its memory is given back to the OS as its
+    rows are copied (:mod:`~gluon_stream._mx.consumed`), so the shard and its copy do not
+    both exist whole.
 
     ``nd.empty`` + ``_sync_copyfrom`` is 4-5x faster than ``nd.array`` and, unlike
     ``nd.array`` without ``dtype``, keeps int64 as int64. With ``order``, a contiguous array's
@@ -56,10 +63,14 @@ def to_ndarray(array: np.ndarray, ctx: Any, order: np.ndarray | None = None) -> 
     nd = import_mxnet().nd
     rows = array.shape[0] if order is None else len(order)
     out = nd.empty((rows,) + tuple(array.shape[1:]), ctx=ctx, dtype=array.dtype)
+    host = out.context.device_type in _HOST
+    if consume and host and array.flags.c_contiguous:
+        consume_into(_host_view(out), array, order)
+        return out
     if order is None and array.flags.c_contiguous:
         out._sync_copyfrom(array)
         return out
-    if order is not None and array.flags.c_contiguous and out.context.device_type in _HOST:
+    if order is not None and array.flags.c_contiguous and host:
         # rows gathered straight into the NDArray's memory: one pass, no chunk in between
         # (about a third faster than chunks). 'clip' takes no bounds-checked buffer copy (the
         # 'raise' default does), and our orders are in range. The NDArray is new: no pending
@@ -83,8 +94,10 @@ def _host_view(out: Any) -> np.ndarray:
     size = int(np.prod(out.shape, dtype=np.int64))
     if not size:
         return np.empty(out.shape, dtype=dtype)
+    if pointer.value is None:
+        raise ValueError(f"an NDArray {out.shape} in {out.context} has no memory yet")
     buffer = (ctypes.c_char * (size * dtype.itemsize)).from_address(pointer.value)
-    return np.frombuffer(buffer, dtype=dtype).reshape(out.shape)
+    return np.frombuffer(memoryview(buffer), dtype=dtype).reshape(out.shape)
 
 
 def gather_to_ndarray(sources: Sequence[np.ndarray], which: np.ndarray, rows: np.ndarray,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import functools
 import glob
 import io
 import itertools
@@ -36,6 +35,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .._utils.columns import ShapedArrays
+from .._utils.libc import libc
 from . import import_mxnet
 from .arrays import ZERO_COPY_DTYPES, copy_into, row_chunks, row_index, wrap_numpy
 
@@ -184,18 +184,6 @@ def _close_fd(fd: int) -> None:
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-@functools.lru_cache(maxsize=None)
-def _libc() -> Any:
-    """The C library's mmap, munmap and madvise (POSIX), typed."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc
-
-
 class _Mapping:
     """A shared mapping of a memory file that keeps no file descriptor (Python's ``mmap`` keeps a
     duplicate: one per batch held would run into the fd limit), unmapped when garbage collected.
@@ -205,14 +193,14 @@ class _Mapping:
     """
 
     def __init__(self, fd: int, size: int, inherit: bool = True) -> None:
-        addr = _libc().mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        addr = libc().mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
         if addr is None or addr == _MAP_FAILED:
             err = ctypes.get_errno()
             raise OSError(err, f"mmap of {size} bytes of shared memory failed: "
                                f"{os.strerror(err)}")
         dontfork = getattr(mmap, "MADV_DONTFORK", None)
         if not inherit and dontfork is not None:
-            _libc().madvise(addr, size, dontfork)
+            libc().madvise(addr, size, dontfork)
         self.addr, self.size = addr, size
         self.unmap = weakref.finalize(self, _munmap, os.getpid(), addr, size)
         self.unmap.atexit = False  # batches may still be read at exit; the OS unmaps it then
@@ -226,7 +214,7 @@ class _Mapping:
 
 def _munmap(owner: int, addr: int, size: int) -> None:
     if os.getpid() == owner:  # a fork's copy of the object does not own the mapping
-        _libc().munmap(addr, size)
+        libc().munmap(addr, size)
 
 
 # -- batches back from a worker: slots ------------------------------------------------------------

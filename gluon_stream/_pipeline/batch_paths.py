@@ -23,6 +23,7 @@ import numpy as np
 
 from .._mx import arrays as mx_arrays
 from .._mx import shm as mx_shm
+from .._mx.consumed import held_alone
 from .batching import Batch, Segment, UnitPlan
 from .feed import Carry, MixedData, UnitFeed
 from .._utils.batchable import check_batchable
@@ -79,8 +80,11 @@ class SlicePath:
         check_batchable(arrays, what=what)
         if not len(arrays[0]):
             return arrays
+        # the stream hands over a tuple of its own: an array only it holds is consumed
+        alone = [held_alone(arrays, i) for i in range(len(arrays))]
         with self._copying:
-            return tuple(mx_arrays.to_ndarray(a, self.ctx, order) for a in arrays)
+            return tuple(mx_arrays.to_ndarray(arrays[i], self.ctx, order, consume=alone[i])
+                         for i in range(len(arrays)))
 
     @staticmethod
     def _ordered(arrays: tuple, order: np.ndarray | None, what: str) -> tuple:
