@@ -204,3 +204,16 @@ def test_mxnet_draws_are_seeded_per_batch_whichever_way_operators_run(how):
     assert {r[2] for r in rows_} == {1}  # the lazy seeding was in place in every worker
     drawn = [r[1] for r in rows_ if r[1] != -1]
     assert len(drawn) == len(set(drawn)) == sum(1 for r in rows_ if int(r[0]) % 3 == 0)
+
+
+def test_batch_seeds_are_fixed_distinct_and_in_the_range_numpy_seeds_take():
+    """Each (seed, epoch, batch number) gives its own seed, the same on every call, within
+    [0, 2**31) as np.random.seed takes it; negative and large seeds are folded, not refused."""
+    from gluon_stream._utils.random import batch_seed
+    runs = {(s, e): [batch_seed(s, e, n) for n in range(2000)]
+            for s in (0, 1, -1, 2 ** 40) for e in range(3)}
+    for (s, e), seeds in runs.items():
+        assert all(0 <= x < 2 ** 31 for x in seeds)
+        assert len(set(seeds)) == len(seeds)  # within an epoch, every batch draws anew
+        assert seeds == [batch_seed(s, e, n) for n in range(2000)]
+    assert len({tuple(seeds) for seeds in runs.values()}) == len(runs)

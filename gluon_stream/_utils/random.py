@@ -1,6 +1,8 @@
 """Deterministic randomness: every order the library draws comes from (seed, epoch, what, ...)."""
 from __future__ import annotations
 
+import hashlib
+import struct
 import zlib
 from typing import Any
 
@@ -21,5 +23,15 @@ def key_hash(key: Any) -> int:
 
 def batch_seed(seed: int, epoch: int, number: int) -> int:
     """The seed of the global RNGs while batch ``number`` of ``epoch`` is made (per-sample
-    augmentation): the same for any worker count, different for every batch and epoch."""
-    return int(seeded_rng(seed, epoch, 0xBA7C, number).integers(2 ** 31))
+    augmentation): the same for any worker count, different for every batch and epoch.
+
+    A keyed BLAKE2b digest of the three numbers, in about 0.7 us: the loop's thread derives
+    one per batch, and a numpy generator seeded for it cost about 23 us (a few per cent of the
+    loop's CPU on the per-sample path, on cores the workers need)."""
+    mask = (1 << 64) - 1
+    digest = hashlib.blake2b(struct.pack("<3Q", seed & mask, epoch & mask, number & mask),
+                             digest_size=4, person=_BATCH).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+_BATCH = b"gluon_stream.bat"  # BLAKE2b's personalisation (16 bytes at most): batch seeds only
