@@ -43,6 +43,18 @@ def test_a_consumed_array_is_copied_exactly_and_its_pages_given_back(ctx, order)
     assert zero >= 1 - page_share - 1e-9
 
 
+def test_an_order_naming_a_row_twice_is_copied_as_usual():
+    """Read in the array's own order a row goes to one place: an order that repeats a row is
+    not consumed (the array is left whole) and the copy is still exact."""
+    arrays = (fresh(8),)
+    rows = np.array([5, 1, 5, 2999, 0, 1])
+    expected = arrays[0][rows].copy()
+    before = arrays[0].copy()
+    out = mx_arrays.to_ndarray(arrays[0], mx.cpu(), rows, consume=consumed.held_alone(arrays, 0))
+    np.testing.assert_array_equal(out.asnumpy(), expected)
+    np.testing.assert_array_equal(arrays[0], before)
+
+
 def test_only_an_array_nothing_else_holds_is_consumed():
     """held_alone: the tuple's own, owning, writable, contiguous, large arrays only."""
     big = fresh(4)

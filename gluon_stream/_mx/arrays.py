@@ -64,8 +64,8 @@ def to_ndarray(array: np.ndarray, ctx: Any, order: np.ndarray | None = None,
     rows = array.shape[0] if order is None else len(order)
     out = nd.empty((rows,) + tuple(array.shape[1:]), ctx=ctx, dtype=array.dtype)
     host = out.context.device_type in _HOST
-    if consume and host and array.flags.c_contiguous:
-        consume_into(_host_view(out), array, order)
+    if consume and host and array.flags.c_contiguous and consume_into(_host_view(out), array,
+                                                                      order):
         return out
     if order is None and array.flags.c_contiguous:
         out._sync_copyfrom(array)

@@ -49,11 +49,14 @@ def held_alone(arrays: tuple, index: int) -> bool:
     return sys.getrefcount(array) == 3
 
 
-def consume_into(out: np.ndarray, array: np.ndarray, order: np.ndarray | None) -> None:
+def consume_into(out: np.ndarray, array: np.ndarray, order: np.ndarray | None) -> bool:
     """Write row ``order[i]`` of ``array`` (row ``i`` without ``order``) to row ``i`` of
     ``out``, reading ``array`` in its own order and giving its pages back to the OS behind
     the read. ``array`` is left zeroed where it was given back: only for an array
-    :func:`held_alone` said the caller may consume, and drops next."""
+    :func:`held_alone` said the caller may consume, and drops next.
+
+    False, with nothing written, for an ``order`` that names a row twice (read in the array's
+    order, a row goes to one place): the caller copies as usual."""
     rows = array.shape[0]
     row_bytes = max(1, array.nbytes // max(1, rows))
     step = max(1, _CHUNK_BYTES // row_bytes)
@@ -61,6 +64,8 @@ def consume_into(out: np.ndarray, array: np.ndarray, order: np.ndarray | None) -
     if order is not None:
         where = np.full(rows, -1, dtype=np.int64)  # each row's place in out (-1: not read)
         where[order] = np.arange(len(order), dtype=np.int64)
+        if np.count_nonzero(where >= 0) != len(order):
+            return False
     base = array.ctypes.data
     # the first and last pages may hold other memory (the allocator's header, the next
     # block): only whole pages within the array are given back
@@ -80,6 +85,7 @@ def consume_into(out: np.ndarray, array: np.ndarray, order: np.ndarray | None) -
         if read > given:
             _give_back(given, read - given)
             given = read
+    return True
 
 
 def _give_back(address: int, size: int) -> None:
