@@ -104,10 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pids")
     parser.add_argument("--started")
     parser.add_argument("--gate")
+    parser.add_argument("--groups", help="append 'pid pgid sid' of this run to this file")
     args = parser.parse_args(argv)
     mode = json.loads(args.modes).get(args.key, args.mode)
     _append(args.count, f"{args.key} {mode} {os.getpid()}")
     _append(args.pids, str(os.getpid()))
+    _append(args.groups, f"{os.getpid()} {os.getpgid(0)} {os.getsid(0)}")
     if mode != "slow" and args.started:
         _append(args.started, args.key)
     if mode != "slow":

@@ -65,6 +65,23 @@ def test_a_grandchild_left_running_by_a_successful_generator_is_killed(tmp_path)
     assert dead(generator)
 
 
+def test_a_generator_runs_in_a_process_group_of_its_own_in_this_session(tmp_path):
+    """Its own group, so that a kill reaches its children too; on Python 3.11+ in the loader's
+    session (a new session is a new scheduling autogroup on Linux, which slowed generators
+    started together), on 3.9 and 3.10 in a session of its own."""
+    groups = tmp_path / "groups"
+    src = gs.CommandSource(["k1", "k2"], command("ok") + ["--groups", str(groups)],
+                           cache_dir=str(tmp_path / "cache"))
+    with src:
+        for key in ("k1", "k2"):
+            src.produce(key, 0)
+    runs_seen = [tuple(int(x) for x in line.split()) for line in read_lines(groups)]
+    assert len(runs_seen) == 2
+    for pid, pgid, sid in runs_seen:
+        assert pgid == pid != os.getpgid(0)
+        assert (sid == os.getsid(0)) == (sys.version_info >= (3, 11))
+
+
 def test_exit_zero_without_a_file_fails_at_once_without_polling(tmp_path):
     with source(tmp_path, "no-file", retries=1) as src:
         with pytest.raises(gs.ShardError, match=r"exited 0 but wrote no file"):

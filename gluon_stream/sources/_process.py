@@ -1,5 +1,12 @@
-"""Running one generator program: argv only, stdin closed, its own session, a bounded stderr tail,
-a timeout, and the whole process group killed on the way out.
+"""Running one generator program: argv only, stdin closed, its own process group, a bounded
+stderr tail, a timeout, and the whole process group killed on the way out.
+
+The group is made with ``setpgid`` (``process_group=0``, Python 3.11+), not ``setsid``: a new
+session is a new scheduling autogroup on Linux, and two generators started together each in
+its own ran about 40 % longer (0.14 s against 0.10 s for a 0.1 s program, medians of 8 pairs),
+which a loader waiting for its first shard pays. Python 3.9 and 3.10 have no
+``process_group``: there the program gets its own session, as before (``preexec_fn`` would
+fork without ``vfork`` in a threaded process).
 
 Waiting sleeps in ``select`` (no busy-waiting), waking at least every ``WAIT_SLICE_S`` to
 honour ``close()``.
@@ -11,6 +18,7 @@ import os
 import selectors
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -23,6 +31,9 @@ __all__ = ["ProgramRunner", "RunResult", "STDERR_TAIL_BYTES"]
 logger = logging.getLogger(__name__)
 
 STDERR_TAIL_BYTES = 4096
+#: a process group of the program's own (see the module doc)
+_OWN_GROUP: dict = ({"process_group": 0} if sys.version_info >= (3, 11)
+                    else {"start_new_session": True})
 
 
 @dataclass(frozen=True)
@@ -58,7 +69,7 @@ class ProgramRunner:
         try:
             proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL,
                                     stdout=subprocess.DEVNULL, stderr=write_fd,
-                                    start_new_session=True, close_fds=True, env=env)
+                                    close_fds=True, env=env, **_OWN_GROUP)
         except OSError:
             os.close(read_fd)
             raise
@@ -122,7 +133,7 @@ def _wait(proc: subprocess.Popen, fd: int, tail: "_TailBuffer", timeout: float |
 
 
 def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the process group of a program started in its own session, then reap it."""
+    """SIGKILL the process group of a program started in a group of its own, then reap it."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
