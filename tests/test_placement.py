@@ -149,6 +149,11 @@ def test_a_shard_is_gathered_in_its_order_straight_into_its_ndarray(ctx, dtype, 
         assert out.context == ctx and out.dtype == raw.dtype and out.shape == raw[order].shape
         np.testing.assert_array_equal(out.asnumpy(), raw[order])
     assert not chunked
+    with pytest.raises(IndexError):  # an order out of range is refused, not clipped
+        mx_arrays.to_ndarray(raw, ctx, np.array([0, 7]))
+    with pytest.raises(IndexError):
+        mx_arrays.to_ndarray(raw, ctx, np.array([-9, 1]))
+    chunked.clear()
     windows = np.lib.stride_tricks.sliding_window_view((np.arange(20) % 3).astype(dtype), 4)
     np.testing.assert_array_equal(
         mx_arrays.to_ndarray(windows, ctx, np.array([9, 0, 4])).asnumpy(), windows[[9, 0, 4]])

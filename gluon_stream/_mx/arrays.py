@@ -70,11 +70,12 @@ def to_ndarray(array: np.ndarray, ctx: Any, order: np.ndarray | None = None,
     if order is None and array.flags.c_contiguous:
         out._sync_copyfrom(array)
         return out
-    if order is not None and array.flags.c_contiguous and host:
+    if order is not None and array.flags.c_contiguous and host and _in_range(order, len(array)):
         # rows gathered straight into the NDArray's memory: one pass, no chunk in between
         # (about a third faster than chunks). 'clip' takes no bounds-checked buffer copy (the
-        # 'raise' default does), and our orders are in range. The NDArray is new: no pending
-        # operation of MXNet's engine can touch its memory yet.
+        # 'raise' default does); the order was checked instead (out of range, the chunks below
+        # raise IndexError). The NDArray is new: no pending operation of MXNet's engine can
+        # touch its memory yet.
         np.take(array, order, axis=0, out=_host_view(out), mode="clip")
         return out
     for begin, chunk in row_chunks(array, order):  # a strided view is read in chunks
@@ -83,6 +84,10 @@ def to_ndarray(array: np.ndarray, ctx: Any, order: np.ndarray | None = None,
 
 
 _HOST = frozenset({"cpu", "cpu_pinned", "cpu_shared"})
+
+
+def _in_range(order: np.ndarray, rows: int) -> bool:
+    return not len(order) or (int(order.min()) >= 0 and int(order.max()) < rows)
 
 
 def _host_view(out: Any) -> np.ndarray:
