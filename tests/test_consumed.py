@@ -70,16 +70,23 @@ def test_only_an_array_nothing_else_holds_is_consumed():
     assert not consumed.held_alone((mx.nd.zeros((ROWS,) + SHAPE),), 0)
 
 
+@pytest.mark.parametrize("path", ["slices", "worker processes"])
 @pytest.mark.parametrize("keep", [False, True])
-def test_through_the_loader_batches_are_exact_and_held_arrays_untouched(keep, monkeypatch):
+def test_through_the_loader_batches_are_exact_and_held_arrays_untouched(keep, path,
+                                                                         monkeypatch):
     """A FunctionSource that returns fresh arrays (consumed) and one that returns arrays it
-    keeps (never consumed) give exact batches; the kept arrays read as they were made, every
-    epoch."""
+    keeps (never consumed) give exact batches, on the slice path (copied into NDArrays) and
+    the per-sample path (copied into shared memory); the kept arrays read as they were made,
+    every epoch."""
+    from gluon_stream._mx import shm
     calls = []
-    real = mx_arrays.consume_into
-    monkeypatch.setattr(mx_arrays, "consume_into",
+    module = mx_arrays if path == "slices" else shm
+    real = module.consume_into
+    monkeypatch.setattr(module, "consume_into",
                         lambda out, array, order: calls.append(array.shape) or real(out, array,
                                                                                    order))
+    options = {} if path == "slices" else {"sample_transform": lambda d, lab: (d, lab),
+                                           "num_workers": 1}
     kept = {k: (fresh(10 + k), np.arange(ROWS, dtype=np.float32) + 1e4 * k) for k in range(3)}
     snapshot = {k: (a.copy(), b.copy()) for k, (a, b) in kept.items()}
 
@@ -89,7 +96,7 @@ def test_through_the_loader_batches_are_exact_and_held_arrays_untouched(keep, mo
 
     batches = []
     with gs.StreamLoader(gs.FunctionSource(range(3), fn), batch_size=500, shuffle=True,
-                         seed=7) as loader:
+                         seed=7, **options) as loader:
         for epoch in range(2):
             loader.set_epoch(epoch)
             batches.append([(d.asnumpy(), lab.asnumpy()) for d, lab in loader])

@@ -24,7 +24,7 @@ import numpy as np
 
 from .._utils.libc import libc
 
-__all__ = ["CONSUME_MIN_BYTES", "consume_into", "held_alone"]
+__all__ = ["CONSUME_MIN_BYTES", "consume_into", "held_alone", "held_alone_each"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,11 @@ def held_alone(arrays: tuple, index: int) -> bool:
         return False
     # the tuple, the local name ``array``, and getrefcount's own argument
     return sys.getrefcount(array) == 3
+
+
+def held_alone_each(arrays: tuple) -> list[bool]:
+    """:func:`held_alone` for every array of a tuple the caller owns."""
+    return [held_alone(arrays, i) for i in range(len(arrays))]
 
 
 def consume_into(out: np.ndarray, array: np.ndarray, order: np.ndarray | None) -> bool:

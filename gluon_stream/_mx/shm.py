@@ -38,6 +38,7 @@ from .._utils.columns import ShapedArrays
 from .._utils.libc import libc
 from . import import_mxnet
 from .arrays import ZERO_COPY_DTYPES, copy_into, row_chunks, row_index, wrap_numpy
+from .consumed import consume_into
 
 __all__ = ["KEEP_FREE", "SharedArrays", "SlotTable", "SlotWriter", "Stacked", "attach",
            "recv_fds", "remove_worker_shm", "send_fds", "stack_batchify"]
@@ -93,9 +94,11 @@ class SharedArrays(ShapedArrays):
         return self._file.fd
 
     @classmethod
-    def copy_of(cls, arrays: Sequence[np.ndarray], order: np.ndarray | None = None
-                ) -> "SharedArrays":
-        """Copy ``arrays`` (their rows in ``order``, if given) into a new memory file."""
+    def copy_of(cls, arrays: Sequence[np.ndarray], order: np.ndarray | None = None,
+                consume: Sequence[bool] = ()) -> "SharedArrays":
+        """Copy ``arrays`` (their rows in ``order``, if given) into a new memory file;
+        ``consume[i]``: array ``i`` is given back to the OS as it is copied
+        (:mod:`~gluon_stream._mx.consumed`)."""
         layout, offset = [], 0
         for a in arrays:
             n = len(order) if order is not None else a.shape[0]
@@ -105,7 +108,7 @@ class SharedArrays(ShapedArrays):
         fd = _memory_file(offset)
         shared = cls(tuple(layout), fd)
         with _mapped(fd, tuple(layout)) as views:
-            _fill(views, arrays, order)
+            _fill(views, arrays, order, consume)
         return shared
 
     def take(self, rows: Any) -> tuple[np.ndarray, ...]:
@@ -149,10 +152,12 @@ class _mapped:
         self.memory.close()
 
 
-def _fill(views: list[np.ndarray], arrays: Sequence[np.ndarray], order: np.ndarray | None
-          ) -> None:
+def _fill(views: list[np.ndarray], arrays: Sequence[np.ndarray], order: np.ndarray | None,
+          consume: Sequence[bool] = ()) -> None:
     """Write ``arrays`` (rows in ``order``) into ``views`` (a function: no view outlives it)."""
-    for src, dst in zip(arrays, views):
+    for i, (src, dst) in enumerate(zip(arrays, views)):
+        if i < len(consume) and consume[i] and consume_into(dst, src, order):
+            continue
         if order is None:
             dst[...] = src
         else:

@@ -23,7 +23,7 @@ import numpy as np
 
 from .._mx import arrays as mx_arrays
 from .._mx import shm as mx_shm
-from .._mx.consumed import held_alone
+from .._mx.consumed import held_alone_each
 from .batching import Batch, Segment, UnitPlan
 from .feed import Carry, MixedData, UnitFeed
 from .._utils.batchable import check_batchable
@@ -80,8 +80,7 @@ class SlicePath:
         check_batchable(arrays, what=what)
         if not len(arrays[0]):
             return arrays
-        # the stream hands over a tuple of its own: an array only it holds is consumed
-        alone = [held_alone(arrays, i) for i in range(len(arrays))]
+        alone = held_alone_each(arrays)  # the stream hands over a tuple of its own
         with self._copying:
             return tuple(mx_arrays.to_ndarray(arrays[i], self.ctx, order, consume=alone[i])
                          for i in range(len(arrays)))
@@ -185,8 +184,9 @@ class SamplePath:
 
     @staticmethod
     def _to_shared(arrays: tuple, order: np.ndarray | None, what: str) -> tuple:
-        """Producer-side: the shard's rows in ``order``, copied into shared memory once."""
-        return mx_shm.SharedArrays.copy_of(arrays, order)
+        """Producer-side: the shard's rows in ``order``, copied into shared memory once (an
+        array only the stream's tuple holds is consumed by its copy)."""
+        return mx_shm.SharedArrays.copy_of(arrays, order, consume=held_alone_each(arrays))
 
     def mix(self, mixed: MixedData) -> MixedData:
         """A mixed unit needs no copy here: its batches name each sample's shard and row."""
