@@ -640,7 +640,8 @@ class ShardStream(Closing):
             arrays = prepare(arrays, order, what)
         elif order is not None:
             arrays = tuple(a[order] for a in arrays)  # not np.take: it copies a strided input
-        shard = Shard(key, epoch, index, arrays, names=names, full_size=full_size)
+        shard = Shard(key, epoch, index, arrays, names=names, full_size=full_size,
+                      rows=int(arrays[0].shape[0]), schema=schema_of(arrays))
         t2 = clock()
         gen_end = t0 + raw.generate_s
         load_end = gen_end + raw.load_s
@@ -661,7 +662,7 @@ class ShardStream(Closing):
     def check_schema(self, shard: Shard) -> None:
         """Raise :class:`~gluon_stream.SchemaMismatch` unless ``shard``'s arrays batch with the
         first shard's (or ``schema=``)."""
-        found = schema_of(shard.arrays)
+        found = shard.schema if shard.schema is not None else schema_of(shard.arrays)
         if self._schema is None:
             self._schema = found
         elif found != self._schema:

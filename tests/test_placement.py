@@ -158,3 +158,34 @@ def test_a_shard_is_gathered_in_its_order_straight_into_its_ndarray(ctx, dtype, 
     np.testing.assert_array_equal(
         mx_arrays.to_ndarray(windows, ctx, np.array([9, 0, 4])).asnumpy(), windows[[9, 0, 4]])
     assert chunked
+
+
+def test_the_loops_thread_reads_no_ndarray_shape_dtype_or_context_at_shard_boundaries(
+        monkeypatch):
+    """Each such read is a C call that lets go of the GIL and may wait for it behind a busy
+    producer: a shard's rows and schema are taken where it is made, and its last batch is
+    copied by one operator call. The batches are the same as before: each a copy or a view of
+    the shard's rows, every row once."""
+    import threading
+    loop = threading.get_ident()
+    reads = []
+    for name in ("shape", "dtype", "context"):
+        real = getattr(mx.nd.NDArray, name)
+        monkeypatch.setattr(mx.nd.NDArray, name, property(
+            lambda self, real=real, name=name: (
+                reads.append(name) if threading.get_ident() == loop else None,
+                real.fget(self))[1]))
+    source = gs.FunctionSource(range(6), lambda k: (np.arange(32, dtype=np.float32) + 100 * k,
+                                                    np.full(32, k, dtype=np.int64)))
+    with gs.StreamLoader(source, batch_size=8, shuffle=True, seed=3) as loader:
+        iterator = iter(loader)
+        first = next(iterator)
+        reads.clear()  # what the first batch costs once (the stream's schema, MXNet's warm-up)
+        batches = [first] + list(iterator)
+    assert not reads
+    values = np.concatenate([b[0].asnumpy() for b in batches])
+    assert sorted(values.tolist()) == sorted(float(v + 100 * k) for k in range(6)
+                                             for v in range(32))
+    for data, label in batches:  # rows of one shard, the label its key
+        assert ((data.asnumpy() // 100) == label.asnumpy()).all()
+        assert data.context == mx.cpu() and data.dtype == np.float32

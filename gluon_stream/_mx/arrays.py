@@ -11,8 +11,8 @@ from . import import_mxnet
 from .consumed import consume_into
 
 __all__ = ["GATHER_CHUNK_BYTES", "ZERO_COPY_DTYPES", "as_in_context", "batch_context", "concat",
-           "copy_into", "gather_to_ndarray", "place", "row_chunks", "row_index", "slice_rows",
-           "to_ndarray", "wrap_numpy"]
+           "copier", "copy_into", "gather_to_ndarray", "place", "row_chunks", "row_index",
+           "slice_rows", "to_ndarray", "wrap_numpy"]
 
 GATHER_CHUNK_BYTES = 1 << 20
 
@@ -219,6 +219,20 @@ def slice_rows(array: Any, start: int, stop: int) -> Any:
     dl["check"](dl["lib"].MXNDArraySlice(array.handle, ctypes.c_uint(start),
                                           ctypes.c_uint(stop), ctypes.byref(handle)))
     return ndarray(handle=handle, writable=array.writable)
+
+
+def copier(ctx: Any) -> Callable[[Any], Any]:
+    """How to copy an array that lives in ``ctx``: on ``cpu``, a dense NDArray by MXNet's
+    ``identity`` operator, one C call, where ``NDArray.copy()`` makes four (shape, dtype and
+    context, then the copy); each C call lets go of the GIL and may wait for it behind a busy
+    producer. Elsewhere ``copy()`` (``identity`` of a ``cpu_pinned`` array returns a ``cpu``
+    one)."""
+    if getattr(ctx, "device_type", None) != "cpu":
+        return lambda array: array.copy()
+    nd = import_mxnet().nd
+    dense = nd.NDArray
+    identity = nd.identity
+    return lambda array: identity(array) if type(array) is dense else array.copy()
 
 
 def wrap_numpy(array: np.ndarray) -> Any:

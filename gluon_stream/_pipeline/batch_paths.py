@@ -122,6 +122,7 @@ class SlicePath:
     def batches(self, feed: UnitFeed, carry: Carry, first: int = 0,
                 seed_of: Callable[[int], int] | None = None) -> Iterator[tuple[Batch, Any]]:
         self._feed = feed
+        copy = mx_arrays.copier(self.ctx)
         while (item := feed.next()) is not None:
             unit, plan = item
             arrays = unit.arrays
@@ -134,7 +135,7 @@ class SlicePath:
                 if not self._left and not parts:
                     # the unit's last batch is a copy: a slice would keep the whole unit alive
                     # while the loop holds the batch and waits for the next shard
-                    piece = tuple(a.copy() for a in piece)
+                    piece = tuple(copy(a) for a in piece)
                 parts.append(piece)
                 yield batch, _as_batch(_join(parts))
             feed.done(unit, plan)

@@ -33,9 +33,14 @@ class Shard:
     record: ShardRecord | None = field(repr=False, default=None)
     names: tuple[str, ...] | None = None  # the arrays' names (a dict's keys), if they have any
     full_size: int = -1  # the shard's samples before ranks took their part of them
+    #: its rows and ``[(dtype, trailing shape)]``, taken where it was made (a producer thread):
+    #: read from NDArrays in the loop's thread, each is a C call that releases the GIL and
+    #: may wait for it behind a busy producer, a few hundred us at a shard boundary
+    rows: int = -1
+    schema: list | None = field(repr=False, default=None)
 
     def __len__(self) -> int:
-        return int(self.arrays[0].shape[0])
+        return self.rows if self.rows >= 0 else int(self.arrays[0].shape[0])
 
     @property
     def dataset(self) -> Any:
