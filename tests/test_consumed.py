@@ -113,3 +113,35 @@ def test_through_the_loader_batches_are_exact_and_held_arrays_untouched(keep, pa
             k, row = np.divmod(label.astype(np.int64), 10 ** 4)
             np.testing.assert_array_equal(
                 data, np.stack([snapshot[int(s)][0][int(r)] for s, r in zip(k, row)]))
+
+
+def test_more_ranks_than_shards_each_consuming_its_strides_read_every_row_once(monkeypatch):
+    """3 ranks over 2 shards (``even_batches``: every rank takes balanced strides of every
+    shard, a subset order, 2000 rows a rank here), each
+    rank its own loader over a new FunctionSource that returns fresh arrays, held as users
+    hold it (``for b in StreamLoader(...)``): every row once across the ranks, each row
+    the one its label names."""
+    made = {k: fresh(20 + k) for k in range(2)}
+    orders = []
+    real = mx_arrays.consume_into
+    monkeypatch.setattr(mx_arrays, "consume_into",
+                        lambda out, array, order: orders.append(len(order)) or real(out, array,
+                                                                                   order))
+
+    def fn(key):
+        return made[key].copy(), np.arange(ROWS, dtype=np.float32) + 1e4 * key
+
+    labels, checked = [], 0
+    for rank in range(3):
+        for data, label in gs.StreamLoader(gs.FunctionSource(range(2), fn), batch_size=100,
+                                           shuffle=True, seed=5, num_parts=3, part_index=rank,
+                                           even_batches=True):
+            lab = label.asnumpy()
+            labels.extend(lab.tolist())
+            k, row = np.divmod(lab.astype(np.int64), 10 ** 4)
+            np.testing.assert_array_equal(
+                data.asnumpy(), np.stack([made[int(s)][int(r)] for s, r in zip(k, row)]))
+            checked += len(lab)
+    assert sorted(labels) == sorted(float(v + 1e4 * k) for k in range(2) for v in range(ROWS))
+    assert checked == 2 * ROWS
+    assert orders and all(n < ROWS for n in orders)  # consumed, each a rank's subset of rows

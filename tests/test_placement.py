@@ -177,11 +177,11 @@ def test_the_loops_thread_reads_no_ndarray_shape_dtype_or_context_at_shard_bound
                 real.fget(self))[1]))
     source = gs.FunctionSource(range(6), lambda k: (np.arange(32, dtype=np.float32) + 100 * k,
                                                     np.full(32, k, dtype=np.int64)))
-    with gs.StreamLoader(source, batch_size=8, shuffle=True, seed=3) as loader:
-        iterator = iter(loader)
-        first = next(iterator)
-        reads.clear()  # what the first batch costs once (the stream's schema, MXNet's warm-up)
-        batches = [first] + list(iterator)
+    # held as users hold it: the loader referred to by its iterator alone
+    iterator = iter(gs.StreamLoader(source, batch_size=8, shuffle=True, seed=3))
+    first = next(iterator)
+    reads.clear()  # what the first batch costs once (the stream's schema, MXNet's warm-up)
+    batches = [first] + list(iterator)
     assert not reads
     values = np.concatenate([b[0].asnumpy() for b in batches])
     assert sorted(values.tolist()) == sorted(float(v + 100 * k) for k in range(6)

@@ -63,7 +63,7 @@ def to_ndarray(array: np.ndarray, ctx: Any, order: np.ndarray | None = None,
     nd = import_mxnet().nd
     rows = array.shape[0] if order is None else len(order)
     out = nd.empty((rows,) + tuple(array.shape[1:]), ctx=ctx, dtype=array.dtype)
-    host = out.context.device_type in _HOST
+    host = getattr(ctx, "device_type", None) in _HOST  # out is made in ctx
     if consume and host and array.flags.c_contiguous and consume_into(_host_view(out), array,
                                                                       order):
         return out
