@@ -44,6 +44,7 @@ from ._pipeline.starts import PassStarts
 from ._pipeline.counts import BatchCounts
 from .stats import Stats
 from .stream import ShardStream
+from ._pipeline.sizes import ShardSizes
 from ._pipeline.tuning import Tuner
 from ._utils.cores import usable_cores
 
@@ -203,7 +204,8 @@ class StreamLoader(Closing):
             ("part_index", part_index), ("kvstore", kvstore), ("shard_sizes", shard_sizes),
             ("num_epochs", num_epochs), ("memory_budget", memory_budget))
             if _validate.is_set(value)}
-        stream, owns = _stream_of(source, given, even_batches, samples_per_epoch)
+        stream, owns = _stream_of(source, given, even_batches, samples_per_epoch,
+                                   self.batch_size)
         self.shuffle_window = _validate.integer("shuffle_window", shuffle_window, minimum=1)
         if self.shuffle_window > 1 and not stream.shuffle:
             raise ValueError(f"shuffle_window={shuffle_window} mixes the samples of several "
@@ -406,7 +408,7 @@ def _check_even_batches(even_batches: Any, last_batch: str) -> None:
 
 
 def _stream_of(source: Source | ShardStream, given: dict[str, Any], even_batches: bool | str,
-               samples_per_epoch: int | None) -> tuple[ShardStream, bool]:
+               samples_per_epoch: int | None, batch_size: int) -> tuple[ShardStream, bool]:
     """(the stream, whether the loader owns it): the one given, or one built from ``source``
     with the stream's arguments the loader was given."""
     if isinstance(source, ShardStream):
@@ -417,14 +419,28 @@ def _stream_of(source: Source | ShardStream, given: dict[str, Any], even_batches
     parts, index = resolve_parts(given.get("num_parts", 1), given.get("part_index", 0),
                                  kvstore=given.get("kvstore"))
     if parts > 1:
-        deal, why = choose_deal(even_batches, samples_per_epoch is not None,
-                                _sizes_known(source, given) if even_batches else False,
-                                parts, _key_count(source))
+        known = _sizes_known(source, given) if even_batches else False
+        deal, why = choose_deal(even_batches, samples_per_epoch is not None, known, parts,
+                                _key_count(source), batch_size=batch_size,
+                                sizes=_every_epoch_sizes(source, given) if known else None,
+                                skip=given.get("on_error") == "skip")
         if deal != "shards":  # equal counts by construction: every rank takes its stride
             given.update(num_parts=parts, part_index=index, deal=deal)
             logger.info("%s: every rank produces every shard and takes its stride of the "
                         "samples (deal=%r)", why, deal)
     return ShardStream(source, **given), True
+
+
+def _every_epoch_sizes(source: Source, given: Mapping[str, Any]) -> list[int] | None:
+    """Every shard's size, where every epoch deals the same keys with the same sizes, known
+    alike on every rank (declared, or the source's without a transform); None otherwise."""
+    if not source.same_keys:
+        return None
+    sizes = ShardSizes(source, given.get("transform"), given.get("shard_sizes"), "shards", 1, 0,
+                       lambda *args: (iter(()), True, None))
+    keys, _ = source.keys_for_epoch(0)
+    found = [sizes.agreed_size(key, 0) for key in keys]
+    return None if any(n is None for n in found) else [int(n) for n in found if n is not None]
 
 
 def _key_count(source: Source) -> int | None:

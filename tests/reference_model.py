@@ -33,6 +33,11 @@ of features and interruptions and compare the batches exactly:
 * **Keys.** A list (every epoch the same keys), a callable ``keys(epoch)`` or a MixSource (the
   epoch's key list; the test takes a mix's from the mix itself, whose own rules are tested
   apart), or an endless iterator (with ``samples_per_epoch``).
+* **Loss with even_batches=True.** An epoch leaves out at most
+  ``parts * (batch_size - 1) + parts - 1`` samples (:func:`loss_bound`), sizes known or not:
+  whole shards are dealt only where the worst deal of them keeps within it (every epoch the
+  same keys and sizes, known ahead), else balanced strides (``on_error='skip'`` keeps whole
+  shards: a shard failing on one rank alone must not shift that rank's strides).
 * **Topologies the ranks must agree on** (:func:`deal_for`). Fewer keys than ranks:
   ``samples_per_epoch`` and ``even_batches=True`` deal strides of every shard instead of whole
   shards (a rank dealt no key would read nothing); with ``samples_per_epoch`` they turn: the
@@ -93,9 +98,20 @@ def keys_for(cfg: Config, epoch: int) -> list:
     return list(cfg.keys_of(epoch)) if cfg.keys_of is not None else list(cfg.keys)
 
 
+def loss_bound(parts: int, batch_size: int) -> int:
+    """even_batches=True: the most samples an epoch may leave out (every part's short tail,
+    and the samples no equal split of the epoch can place)."""
+    return parts * (batch_size - 1) + parts - 1
+
+
 def deal_for(even: Any, parts: int, sizes_known: bool, samples_per_epoch: Any,
-             keys: int | None) -> str:
-    """How the parts split the epochs (``keys``: epoch 0's key count; None when endless)."""
+             keys: int | None, sizes: list | None = None, batch_size: int = 1,
+             skip: bool = False) -> str:
+    """How the parts split the epochs (``keys``: epoch 0's key count; None when endless;
+    ``sizes``: every shard's size where every epoch has the same keys; ``skip``:
+    ``on_error='skip'``). even_batches=True deals whole shards only where the part dealt
+    the ``len(sizes) // parts`` smallest shards would still keep within :func:`loss_bound`
+    (or with ``skip``), and balanced strides otherwise."""
     few = keys is not None and keys < parts
     if parts == 1:
         return "shards"
@@ -105,6 +121,12 @@ def deal_for(even: Any, parts: int, sizes_known: bool, samples_per_epoch: Any,
         return "strides" if even == "pad" else "balanced"
     if even is True and few:
         return "balanced"
+    if even is True and not skip:
+        if sizes is None:
+            return "balanced"
+        smallest = sum(sorted(sizes)[:len(sizes) // parts]) // batch_size * batch_size
+        if sum(sizes) - parts * smallest > loss_bound(parts, batch_size):
+            return "balanced"
     return "shards"
 
 

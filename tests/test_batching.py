@@ -171,7 +171,8 @@ def test_the_deal_gives_every_part_a_share_or_equal_counts(sizes, parts, even, k
     from gluon_stream._pipeline.ranks import choose_deal, even_count
     from gluon_stream._pipeline.sizes import part_count
 
-    deal, why = choose_deal(even, fixed, known, parts, len(sizes))
+    deal, why = choose_deal(even, fixed, known, parts, len(sizes), batch_size=batch_size,
+                            sizes=sizes if known else None)
     assert (deal == "shards") == (why == "")
     if len(sizes) < parts and (fixed or even is True):
         assert deal != "shards", "a rank would be dealt no key"
@@ -196,6 +197,8 @@ def test_the_deal_gives_every_part_a_share_or_equal_counts(sizes, parts, even, k
         count = even_count(True, totals, batch_size)
         assert all(count * batch_size <= t for t in totals)
         assert (count + 1) * batch_size > min(totals)
+        if not fixed:  # at most every part's short tail and total % parts left out
+            assert sum(sizes) - parts * count * batch_size <= parts * batch_size - 1
 
 
 @settings(max_examples=300, deadline=None)

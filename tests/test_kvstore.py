@@ -188,17 +188,18 @@ def check_job(records: list[dict[str, Any]], deal: str) -> list[list[int]]:
 
 
 def test_dist_sync_with_shard_sizes_known(tmp_path):
-    """shard_sizes=: the shards are dealt to the ranks, parts of different sizes, each rank
-    yielding the smallest part's count of full batches; len() known before every pass."""
+    """shard_sizes= with shards that, dealt whole, could leave a part of 15 samples of 69: the
+    ranks take balanced strides of every shard, yield equal counts of full batches, len() known before every pass, and leave out at most
+    ``ranks * batch_size - 1`` samples an epoch (issue 35)."""
     records, elapsed = run_job(tmp_path, "known")
-    counts = check_job(records, deal="shards")
+    counts = check_job(records, deal="balanced")
+    for r in records:
+        assert all(sorted(e["keys"]) == list(range(len(SIZES))) for e in r["epochs"])
     for epoch in range(EPOCHS):
-        keys = [r["epochs"][epoch]["keys"] for r in records]
-        assert not set(keys[0]) & set(keys[1])
-        assert sorted(keys[0] + keys[1]) == list(range(len(SIZES)))
+        assert sum(SIZES) - NUM_WORKERS * counts[epoch][0] * BATCH_SIZE \
+            <= NUM_WORKERS * BATCH_SIZE - 1, counts
     part_sizes = [records[0]["epochs"][e]["part_sizes"] for e in range(EPOCHS)]
-    # the parts really differ (in these epochs, with this seed): even_batches evened them out
-    assert all(len(set(sizes)) > 1 for sizes in part_sizes), part_sizes
+    assert all(max(sizes) - min(sizes) <= 1 for sizes in part_sizes), part_sizes
     print(f"sizes known: batches per epoch per rank {counts}, part sizes {part_sizes}, "
           f"job {elapsed:.1f} s")
 

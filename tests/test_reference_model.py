@@ -115,9 +115,11 @@ def configs(draw, kinds=KINDS, min_parts=1):
                                       else ["keep", "discard", "rollover"]))
     known = draw(st.booleans())
     first = None if kind == "endless" else len(keys_of(0) if keys_of is not None else keys)
-    deal = model.deal_for(even, parts, known, spe, first)
-    failing = frozenset(draw(st.sets(st.sampled_from(keys)))) if keys and deal == "shards" \
-        and kind != "endless" and draw(st.booleans()) else frozenset()
+    skip = bool(keys) and kind != "endless" and draw(st.booleans())
+    deal = model.deal_for(even, parts, known, spe, first, batch_size=batch_size, skip=skip,
+                          sizes=[sizes[k] for k in keys] if kind == "list" else None)
+    failing = frozenset(draw(st.sets(st.sampled_from(keys), min_size=1))) \
+        if skip and deal == "shards" else frozenset()
     declared = dict(sizes) if known else None
     return model.Config(keys=keys, sizes=sizes, batch_size=batch_size, last_batch=last_batch,
                         shuffle=shuffle, seed=draw(st.integers(0, 3)), shuffle_window=window,
@@ -377,6 +379,10 @@ def test_ranks_agree_or_refuse_alike(cfg, epochs, holding):
     for epoch in range(epochs):
         counts = [len(o[1][epoch]) for o in outcomes]
         assert len(set(counts)) == 1, f"epoch {epoch}: batches per rank {counts}"
+        if cfg.even_batches is True and cfg.samples_per_epoch is None and not cfg.failing:
+            left_out = len(epoch_samples(cfg, epoch)) - parts * counts[0] * cfg.batch_size
+            assert left_out <= model.loss_bound(parts, cfg.batch_size), \
+                f"epoch {epoch}: {left_out} samples left out (deal={cfg.deal})"
         if cfg.even_batches == "pad" and cfg.samples_per_epoch is None:
             real = sorted(i for o in outcomes for ids, pad in o[1][epoch]
                           for i in ids[:len(ids) - pad])

@@ -62,11 +62,17 @@ class Drawn:
 _GONE = object()
 
 
-def remainder_deal(deal: str) -> str:
-    """How the ranks split every piece of a remainder: their strides, cut to equal counts
-    where the loader's deal is (``'samples'``, and ``'balanced'``: even_batches=True without
-    sizes)."""
-    return "samples" if deal in ("samples", "balanced") else "strides"
+def remainder_deal(deal: str, before: int | None = None) -> str:
+    """How the ranks split a piece of a remainder with ``before`` rows left in the pieces
+    before it (None: not known alike on every rank): their strides, going on from piece to
+    piece where ``before`` is known (see :func:`~gluon_stream._pipeline.sizes.stride_of`), so
+    that with ``'balanced'`` (even_batches=True) the ranks' counts differ by one at most and
+    the rest of the epoch leaves out at most a batch a rank; cut to equal counts where the
+    loader's deal is and ``before`` is not known (``'samples'``, and ``'balanced'`` with sizes
+    unknown)."""
+    if deal == "samples" or (deal == "balanced" and before is None):
+        return "samples"
+    return "strides"
 
 
 @functools.lru_cache(maxsize=8)
@@ -213,15 +219,15 @@ class Remainder:
         """The rows part ``part`` of ``parts`` reads of piece ``index`` (``order``: the
         shard's own row order; ``before``: the rows left in the pieces before it, where every
         rank knows them alike; see :func:`~gluon_stream._pipeline.sizes.stride_of`)."""
-        return part_rows(self.pieces[index].rows(order), parts, part, remainder_deal(deal),
-                         before)
+        return part_rows(self.pieces[index].rows(order), parts, part,
+                         remainder_deal(deal, before), before)
 
     def share(self, index: int, full: int, parts: int, part: int, deal: str,
               before: int | None = None) -> int:
         """How many rows part ``part`` of ``parts`` reads of piece ``index`` of a shard of
         ``full`` rows."""
-        return part_count(self.pieces[index].count(full), parts, part, remainder_deal(deal),
-                          before)
+        return part_count(self.pieces[index].count(full), parts, part,
+                          remainder_deal(deal, before), before)
 
     def counts(self, fulls: Sequence[int | None]) -> list[int | None]:
         """The rows left in the pieces before each piece, given the shards' sizes (None from

@@ -93,9 +93,11 @@ def resolve(spec: Mapping[str, Any], keys_of: KeysOf,
         if isinstance(item, Piece) and prior is not None and prior.sizes is not None:
             full_of[(item.epoch, item.key)] = prior.sizes[unit]
         if isinstance(item, Piece):
-            turn = stride_of(rank, parts, remainder_deal(deal), turns[unit] if turns else None)
-            return (item.epoch, item.key), Take(item, parts, turn, remainder_deal(deal),
-                                                start, stop, expect, mixed)
+            read_before = turns[unit] if turns else None
+            read = remainder_deal(deal, read_before)
+            return (item.epoch, item.key), Take(item, parts,
+                                                stride_of(rank, parts, read, read_before),
+                                                read, start, stop, expect, mixed)
         if deal == "balanced" and parts > 1 and e == epoch and tail_at is not None \
                 and unit >= tail_at:  # the tail read before: equal strides, as its pieces
             return (e, item), Take(None, parts, rank, "samples", start, stop, expect, mixed)

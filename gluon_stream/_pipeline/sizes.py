@@ -137,14 +137,19 @@ class ShardSizes:
     def rows_before(self, epoch: int, index: int) -> int | None:
         """An elastic resume's remainder: the rows left in its pieces before piece ``index``,
         where every rank knows them alike (declared sizes, or the source's, without a
-        transform; with ``samples_per_epoch``, those the merge counted); None otherwise."""
+        transform; with ``samples_per_epoch``, those the merge counted); None otherwise (with
+        ``deal='balanced'``: for every piece, unless every piece's size is known and no endless
+        tail follows, since its batch count is then counted from the pieces' equal strides)."""
         remainder = self._remainder_of(epoch)
         if remainder is None or not remainder.is_piece(index):
             return None
         if self._before[0] is not remainder:
             fulls = remainder.sizes or [self.agreed_size(p.key, p.epoch)
                                         for p in remainder.pieces]
-            self._before = (remainder, remainder.counts(fulls))
+            counts = remainder.counts(fulls)
+            if self.deal == "balanced" and (None in fulls or remainder.tail is not None):
+                counts = [None] * len(counts)  # turn only where every rank counts the rest
+            self._before = (remainder, counts)
         return self._before[1][index]
 
     def agreed_size(self, key: Any, epoch: int) -> int | None:

@@ -71,6 +71,12 @@ class Source(Closing):
         """Whether a key's shard differs between epochs (a ``{epoch}`` command); False here."""
         return False
 
+    @property
+    def same_keys(self) -> bool:
+        """Whether every epoch has the same keys (a sequence; not ``keys(epoch)`` or an
+        iterator)."""
+        return not callable(self._keys) and iter(self._keys) is not self._keys
+
     def keys_for_epoch(self, epoch: int) -> tuple[Iterable[Any], bool]:
         """Return (keys, finite) for ``epoch``; an iterator is drawn lazily and is not finite."""
         return keys_for_epoch(self._keys, epoch)

@@ -192,6 +192,11 @@ class MixSource(Source):
                 f"; counts={self.counts}, seed={self.seed})")
 
     # -- keys --------------------------------------------------------------------------------
+    @property
+    def same_keys(self) -> bool:
+        """False: every epoch takes its own keys from the sources."""
+        return False
+
     def keys_for_epoch(self, epoch: int) -> tuple[list[tuple[str, Any]], bool]:
         """The epoch's ``(name, key)`` pairs, in the mixed order, and True (always finite).
 
