@@ -292,12 +292,14 @@ class StreamLoader(Closing):
         return True
 
     def __len__(self) -> int:
-        """Batches of the next pass's epoch, counted from its start, as it yields them: with
-        even_batches the count every part yields (the same on every rank)."""
+        """Batches of the next pass's epoch, counted from its start, as a fresh job of this
+        size yields them: with even_batches the count every part yields (the same on every
+        rank). A loaded state does not change it, of the same world size or merged from
+        another (an elastic resume): the resumed pass yields the rest of it."""
         epoch = self.epoch
         start = self._starts.next(warn=False).position
         count = self._counts.batches(epoch, start.carried if start.epoch == epoch
-                                     and start.unit == start.offset == 0 else 0)
+                                     and start.unit == start.offset == 0 else 0, fresh=True)
         if count is None:
             raise SizeUnknown(f"len(StreamLoader) is unknown for epoch {epoch}: "
                               f"{self._counts.unknown_reason(epoch)}")

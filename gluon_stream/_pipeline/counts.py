@@ -2,18 +2,37 @@
 limit, from the declared or known shard sizes (never by producing shards)."""
 from __future__ import annotations
 
+from typing import Any, Iterator, Protocol
+
 from .batching import LastBatch
 from .ranks import even_count
+from .remainder import Remainder
+from .sizes import ShardSizes
 from ..errors import SizeUnknown
+from ..sources import Source
 from ..stream import ShardStream
 
 __all__ = ["BatchCounts"]
 
 
+class Counted(Protocol):
+    """What :class:`BatchCounts` reads of a stream."""
+
+    remainder: Remainder | None
+    sizes: ShardSizes
+    num_parts: int
+    deal: str
+    source: Source
+    transform: Any
+
+    def epoch_keys(self, epoch: int, part_index: int | None = None
+                   ) -> tuple[Iterator[Any], bool, list | None]: ...
+
+
 class BatchCounts:
     """Batch counts of one loader's epochs (its stream, batch size and batch rules)."""
 
-    def __init__(self, stream: ShardStream, batch_size: int, last_batch: LastBatch,
+    def __init__(self, stream: Counted, batch_size: int, last_batch: LastBatch,
                  even_batches: bool | str, samples_per_epoch: int | None) -> None:
         self.stream = stream
         self.batch_size = batch_size
@@ -21,9 +40,12 @@ class BatchCounts:
         self.even_batches = even_batches
         self.samples_per_epoch = samples_per_epoch
 
-    def batches(self, epoch: int, carried: int = 0) -> int | None:
+    def batches(self, epoch: int, carried: int = 0, fresh: bool = False) -> int | None:
         """Batches epoch ``epoch`` yields from its start (``carried``: samples rolled over);
-        None where the sizes are not known."""
+        None where the sizes are not known. ``fresh``: as a fresh job of this size counts the
+        epoch (``len()``), not the rest an elastic resume reads in its place."""
+        if fresh and self._resumed(epoch):
+            return self._fresh().batches(epoch, carried)
         bs = self.batch_size
         if self._fixed(epoch):  # rolled over: what the epochs before left
             n = self.samples_per_epoch
@@ -68,6 +90,17 @@ class BatchCounts:
                 f"{self.unknown_reason(epoch)}")
         return even_count(True, sizes, self.batch_size)
 
+    def _resumed(self, epoch: int) -> bool:
+        """Whether ``epoch`` reads an elastic resume's remainder in place of its keys."""
+        remainder = self.stream.remainder
+        return remainder is not None and remainder.epoch == epoch
+
+    def _fresh(self) -> "BatchCounts":
+        """These counts as a fresh job of this size has them: its keys, no remainder."""
+        assert isinstance(self.stream, ShardStream)  # a remainder is only ever a stream's
+        return BatchCounts(_FreshStream(self.stream), self.batch_size, self.last_batch,
+                           self.even_batches, self.samples_per_epoch)
+
     def _fixed(self, epoch: int) -> bool:
         """Whether ``epoch`` reads ``samples_per_epoch`` samples: not the rest of an epoch an
         elastic resume reads (its pieces, counted as an epoch of keys is)."""
@@ -91,3 +124,26 @@ class BatchCounts:
                 "Pass shard_sizes= (a dict, fn(key), or one int for every shard), fill the cache "
                 "ahead with gluon-stream generate, or read existing files with FileSource; sizes "
                 "of shards seen in an earlier pass are reused when the data cannot change")
+
+
+class _FreshStream:
+    """What :class:`BatchCounts` reads of a stream, as a fresh job of its size has it: the
+    epoch's own keys and sizes, an elastic resume's remainder aside (sizes seen are shared)."""
+
+    remainder: Remainder | None = None
+
+    def __init__(self, stream: ShardStream) -> None:
+        self._stream = stream
+        self.num_parts, self.deal = stream.num_parts, stream.deal
+        self.source, self.transform = stream.source, stream.transform
+        self.sizes = stream.sizes.without_remainder(self.epoch_keys)
+
+    def epoch_keys(self, epoch: int, part_index: int | None = None
+                   ) -> tuple[Iterator[Any], bool, list | None]:
+        stream = self._stream
+        _, finite = stream.source.keys_for_epoch(epoch)
+        if not finite:
+            return iter(()), False, None
+        part = stream.part_index if part_index is None else part_index
+        keys = stream.dealt_keys(epoch, stream.num_parts, part, stream.deal)
+        return iter(keys), True, keys

@@ -100,6 +100,14 @@ class ShardSizes:
         self._before: tuple[Any, list] = (None, [])  # a remainder, and its rows_before
         self._seen: dict[tuple, int] = {}  # (key, epoch or None) -> samples seen
 
+    def without_remainder(self, keys_of: KeysOf) -> "ShardSizes":
+        """These sizes as a fresh job of this size counts an epoch: its keys (``keys_of``), an
+        elastic resume's remainder aside; sizes seen in a pass are shared."""
+        fresh = ShardSizes(self.source, self.transform, self._declared, self.deal,
+                           self.num_parts, self.part_index, keys_of)
+        fresh._seen = self._seen
+        return fresh
+
     def remember(self, key: Any, epoch: int, full_size: int) -> None:
         """A shard turned out to hold ``full_size`` samples (for later passes' counts)."""
         self._seen[(key, epoch)] = full_size
