@@ -11,6 +11,7 @@ starts, are found by the shards' sizes (counted by producing a shard where none 
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ._pipeline.batching import Position, Segment
@@ -26,9 +27,17 @@ __all__ = ["FIXED_SETTINGS", "load_any", "load_merged", "merge_states", "remaind
 #: change; the deal of the shards follows the world size).
 FIXED_SETTINGS = ("seed", "shuffle", "last_batch", "shuffle_window", "even_batches",
                   "samples_per_epoch")
-def merge_states(states: Sequence[Mapping[str, Any]]) -> dict:
+def merge_states(states: Sequence[Mapping[str, Any]], *,
+                 synchronous: bool | None = None) -> dict:
     """One state that any rank of any world size loads, from the states of all ranks of a job
     saved at the same step (``loader.state_dict()`` on every rank, in any order).
+
+    In a synchronous job every rank has delivered as many batches at a step, so ranks whose
+    states stand at other positions are states of different steps (a rank's file left from an
+    earlier checkpoint): refused where the job is known to be synchronous (``synchronous=True``;
+    ``even_batches``; or None, the default, where the states say so: saved by loaders whose
+    ranks came from a ``dist_sync`` kvstore or Horovod), else a warning naming the ranks and
+    their positions (``synchronous=False``: the ranks train independently, nothing compared).
 
     Loaded with ``load_state_dict`` by each rank of the new job (built with the same arguments,
     but any ``num_parts``/``part_index``, ``batch_size`` and ``num_workers``), the interrupted
@@ -38,8 +47,10 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict:
 
     Raises:
         InvalidState: a state is not a rank's state or was edited; a rank's state is missing
-            or given twice; the states were saved at different steps or with other settings
-            (the field is named); a state saved with ``shuffle_window > 1`` does
+            or given twice; the states were saved at different steps (different epochs; or,
+            in a synchronous job, after different batch counts: the ranks and positions are
+            named) or with other settings (the field is named); a state saved with
+            ``shuffle_window > 1`` does
             not record the lengths of the mixed units it read part of (``unit_lengths``: an
             older gluon_stream's), or records lengths its shards no longer have (when the new
             ranks read them).
@@ -70,7 +81,7 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict:
     epoch = max(_epoch_of(s) for s in by_rank)
     prior = _prior(by_rank)
     ranks = [_rank_spec(state, rank, epoch, first) for rank, state in enumerate(by_rank)]
-    _check_steps(by_rank, first)
+    _check_steps(by_rank, first, synchronous)
     left = any(not r["end"] or r["carry"] for r in ranks)
     spec = {"epoch": epoch, "parts": len(by_rank), "deal": first.get("deal", "shards"),
             "prior": prior, "ranks": ranks} if left else None
@@ -249,19 +260,61 @@ def _check_unit_lengths(state: Mapping[str, Any], rank: int, window: int) -> Non
             "the same number of ranks")
 
 
-def _check_steps(states: list, first: Mapping[str, Any]) -> None:
-    """With even_batches every rank delivers as many batches: a count that differs means a
-    state of another step."""
-    if not first.get("even_batches"):
+def _check_steps(states: list, first: Mapping[str, Any], synchronous: bool | None) -> None:
+    """Where the ranks step together, positions that differ mean a state of another step.
+
+    With even_batches every rank has delivered as many batches, its pass over or not. In a
+    synchronous job (``synchronous=True``, or states saved by one: their ``job``) the ranks
+    still in the epoch have delivered as many, and a rank whose pass is over no more than they.
+    Where that cannot be told (``synchronous=None``, no ``job``) the same test warns: the ranks
+    may train at their own pace, or a state is stale."""
+    steps = [(s["epoch"], s["batches"]) for s in states]
+    if first.get("even_batches"):
+        odd = _odd_step(steps, {r: b for r, (_, b) in enumerate(steps)}, {})
+        why: str | None = "even_batches: every rank delivers as many"
+    elif synchronous is False:
         return
-    step = (states[0]["epoch"], states[0]["batches"])
-    for rank, state in enumerate(states):
-        if (state["epoch"], state["batches"]) != step:
-            raise InvalidState(
-                f"rank {rank}'s state is after {state['batches']} batch(es) of epoch "
-                f"{state['epoch']}, rank 0's after {step[1]} of epoch {step[0]}: states from "
-                "different steps (even_batches: every rank delivers as many); save every rank's "
-                "state at the same step")
+    else:
+        odd = _odd_step(steps, {r: s["batches"] for r, s in enumerate(states)
+                                if not s["end"] and _epoch_of(s) == s["epoch"]},
+                        {r: s["batches"] for r, s in enumerate(states) if s["end"]})
+        jobs = sorted({str(s["job"]) for s in states if s.get("job")})
+        why = ("a synchronous job: the ranks step together" if synchronous else
+               f"saved by a {' / '.join(jobs)} job: the ranks step together" if jobs else None)
+    if odd is None:
+        return
+    behind, ahead = odd
+    where = ", ".join(f"rank {r}: {b} batch(es) of epoch {e}{' (ended)' if s['end'] else ''}"
+                      for r, ((e, b), s) in enumerate(zip(steps, states)))
+    if why is not None:
+        raise InvalidState(
+            f"rank {ahead}'s state is after {steps[ahead][1]} batch(es) of epoch "
+            f"{steps[ahead][0]}, rank {behind}'s after {steps[behind][1]} of epoch "
+            f"{steps[behind][0]} ({where}): states from different steps ({why}); rank "
+            f"{behind}'s may be a file left from an earlier checkpoint. Save every rank's state "
+            "at the same step")
+    warnings.warn(
+        f"merge_states: the ranks' states stand at different positions ({where}). In a "
+        "synchronous job (dist_sync, Horovod) the ranks step together, so a state of "
+        f"rank {behind} or {ahead} is from another step (a rank's file left from an earlier "
+        "checkpoint) and merging it would repeat or skip samples: pass synchronous=True to "
+        "refuse such states, or synchronous=False if the ranks train independently",
+        RuntimeWarning, stacklevel=3)
+
+
+def _odd_step(steps: list, going: Mapping[int, int], ended: Mapping[int, int]
+              ) -> tuple[int, int] | None:
+    """(behind, ahead): two ranks whose positions cannot be of one step of a job whose ranks
+    step together (``going``: the batches of those still in the epoch; ``ended``: of those
+    whose pass is over, which may have run out earlier), or None."""
+    if going and len(set(going.values())) > 1:
+        return min(going, key=going.__getitem__), max(going, key=going.__getitem__)
+    if going and ended and max(ended.values()) > min(going.values()):
+        return min(going, key=going.__getitem__), max(ended, key=ended.__getitem__)
+    if len({e for e, _ in steps}) > 1 and not ended and len(going) == len(steps):
+        return min(range(len(steps)), key=steps.__getitem__), \
+            max(range(len(steps)), key=steps.__getitem__)
+    return None
 
 
 def _prior(states: list) -> Any:

@@ -31,7 +31,7 @@ from ._mx import gluon_data_loader, import_mxnet
 from ._mx import workers as mx_workers
 from ._mx.samples import SAMPLE_FORMATS, SampleFormat
 from ._pipeline.batching import LAST_BATCH_MODES, LastBatch
-from ._utils.distributed import resolve_parts
+from ._utils.distributed import resolve_parts, synchronous_job
 from ._pipeline.ranks import choose_deal
 from ._pipeline.epoch import EpochPass, PassSettings
 from .errors import LoaderClosed, SizeUnknown
@@ -241,6 +241,9 @@ class StreamLoader(Closing):
                                   self.last_batch, self.shuffle_window)
         self._counts = BatchCounts(stream, self.batch_size, self.last_batch, even_batches,
                                    self.samples_per_epoch)
+        #: a synchronous job's kind, saved with every state (merge_states compares the ranks'
+        #: positions by it)
+        self._job = synchronous_job(given.get("kvstore")) if stream.num_parts > 1 else None
         self.ctx = _check_ctx(ctx, shards_on_ctx, self.vectorised)
         self.shards_on_ctx = bool(shards_on_ctx)
         self._path = path = _batch_path(self, stream.error_policy.retries)
@@ -345,10 +348,12 @@ class StreamLoader(Closing):
         """
         state = self._starts.current()
         position = state.position
+        extra = remainder_fields(self.stream, position.epoch, state.epoch) or {}
+        if self._job is not None:  # the ranks step together: merge_states compares them
+            extra["job"] = self._job
         return encode_state(state, self._settings_saved(),
                             self.stream.epoch_keys(position.epoch)[2],
-                            self.stream.kept_key(position.epoch, position.unit),
-                            remainder_fields(self.stream, position.epoch, state.epoch))
+                            self.stream.kept_key(position.epoch, position.unit), extra)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict` of a loader built with the same arguments.

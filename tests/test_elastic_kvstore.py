@@ -102,6 +102,9 @@ def test_two_workers_resumed_on_three_then_on_two(tmp_path):
         finally:
             loader.close()
         assert record["epochs"][str(EPOCHS - 1)] == expected
+    # every rank's state says its job steps together: merge_states compares their positions
+    saved = sorted((tmp_path / "ckpt").glob("*.rank*of*.loader.json"))
+    assert saved and all(json.loads(p.read_text()).get("job") == "dist_sync" for p in saved)
     made = collections.Counter(p.name.split("-")[0] for p in (tmp_path / "marks").iterdir())
     assert made == {f"key{k}": 1 for k in range(len(SIZES))}, made
     print("\n" + "\n".join(figures) + f"\nthree phases in {elapsed:.1f} s")

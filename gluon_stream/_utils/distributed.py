@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from . import validate as _validate
 
-__all__ = ["resolve_parts"]
+__all__ = ["SYNC_KVSTORES", "resolve_parts", "synchronous_job"]
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +24,21 @@ ENV_PAIRS = (  # (rank variable, size variable)
     ("PMI_RANK", "PMI_SIZE"),
     ("RANK", "WORLD_SIZE"),
 )
+
+
+#: kvstore types whose workers step together (a push waits for every worker's), as Horovod's do
+SYNC_KVSTORES = ("dist_sync", "dist_sync_device", "dist_device_sync", "horovod")
+
+
+def synchronous_job(kvstore: Any = None) -> str | None:
+    """What makes this process's rank step together with the others, where it can be told:
+    a synchronous kvstore's type (``'dist_sync'``, ...) or ``'horovod'`` (initialised, more
+    than one rank); None otherwise (independent ranks, or a launcher that does not say)."""
+    kind = getattr(kvstore, "type", None)
+    if isinstance(kind, str) and kind in SYNC_KVSTORES:
+        return kind
+    hvd = _from_horovod()
+    return "horovod" if hvd is not None and hvd[0] > 1 else None
 
 
 def _from_horovod() -> tuple[int, int] | None:
