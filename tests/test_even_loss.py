@@ -221,3 +221,23 @@ def test_ranks_as_real_processes_keep_the_bound(topology):
         outs.append(json.loads(out))
     count = check_epoch([o["batches"] for o in outs], sizes, bs, "processes")
     assert [o["len"] for o in outs] == [count] * ranks
+
+
+@pytest.mark.parametrize("topology", [TOPOLOGIES[0], TOPOLOGIES[2]],
+                         ids=lambda t: f"{t[0]}r-{len(t[1])}s-b{t[2]}")
+def test_sizes_from_file_headers_keep_the_bound(tmp_path, topology):
+    """Sizes the source knows (``.npy`` headers), nothing declared: the same bound and exact
+    ``len()``."""
+    ranks, sizes, bs, seed = topology
+    paths = []
+    for k, n in enumerate(sizes):
+        paths.append(str(tmp_path / f"s{k:02d}.npy"))
+        np.save(paths[-1], np.arange(n, dtype=np.int64) + 1000 * k)
+    got, lens = [], []
+    for rank in range(ranks):
+        with gs.StreamLoader(gs.FileSource(paths), batch_size=bs, num_parts=ranks,
+                             part_index=rank, seed=seed, even_batches=True) as ld:
+            lens.append(len(ld))
+            got.append([batch_ids(b) for b in ld])
+    count = check_epoch(got, sizes, bs, "file headers")
+    assert lens == [count] * ranks
