@@ -78,9 +78,8 @@ def missing_allowed(cfg: Config, stages: tuple[int, ...] = (2,)) -> int:
     if cfg.even == "pad" or (cfg.last_batch == "keep" and cfg.even is not True):
         return 0
     allowed = last_ranks * last_bs  # a short batch per rank (one more row: equal deals)
-    if cfg.even is True and (not cfg.sizes_known or cfg.endless
-                             or max(cfg.parts) > len(cfg.sizes)):
+    if cfg.even is True and (not cfg.sizes_known or cfg.endless):
         # equal strides cut from every shard: sizes unknown (an endless iterator's never are
-        # all known ahead), or fewer keys than the ranks of a stage (issue 24's deal)
+        # all known ahead); with sizes known the strides turn from piece to piece (issue 35)
         allowed += sum(cfg.parts) * len(cfg.sizes)
     return allowed
