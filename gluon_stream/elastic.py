@@ -170,7 +170,9 @@ def remainder_fields(stream: ShardStream, epoch: int, loader_epoch: int | None =
     if remainder.fixed and (loader_epoch != remainder.epoch or epoch != remainder.epoch):
         return None
     turns = [stream.sizes.rows_before(remainder.epoch, k) for k in range(len(remainder.pieces))]
-    return {"remainder": dict(remainder.spec, turns=turns)}
+    # turned: 'balanced' pieces are read by turning strides where ``turns`` holds a number
+    # (an older state's numbers were not used so: its pieces were cut to equal strides)
+    return {"remainder": dict(remainder.spec, turns=turns, turned=True)}
 
 
 def _by_rank(states: list) -> list:

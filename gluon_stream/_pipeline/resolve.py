@@ -49,6 +49,8 @@ def resolve(spec: Mapping[str, Any], keys_of: KeysOf,
     own = Quotas(spec, keys_of, endless_of, size_of, full_of) if quota is not None else None
     # which stride of each of its pieces a rank read (saved with its state: see stride_of)
     turns = spec["prior"].get("turns") if prior is not None else None
+    if deal == "balanced" and prior is not None and not spec["prior"].get("turned"):
+        turns = None  # saved before balanced strides turned across pieces: read equal ones
     # deal='balanced': the rows before the shards the ranks stood in, which turn their strides
     # (a shard none of them reached: every rank's own stride, which together are all its rows)
     before = {int(u): int(n) for saved in spec["ranks"]
