@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import weakref
 from concurrent.futures import Executor
-from typing import Any, Callable, Generator, Iterator, Mapping, Sequence
+from typing import Any, Callable, Generator, Mapping, Sequence
 
 from ._utils import validate as _validate
 from ._utils.closing import Closing
@@ -29,6 +29,7 @@ from ._utils.lifecycle import check_owner, track
 from ._mx import arrays as mx_arrays
 from ._mx import gluon_data_loader, import_mxnet
 from ._mx import workers as mx_workers
+from ._mx.numpy_mode import as_numpy_batch, numpy_mode
 from ._mx.samples import SAMPLE_FORMATS, SampleFormat
 from ._pipeline.batching import LAST_BATCH_MODES, LastBatch
 from ._utils.distributed import resolve_parts
@@ -309,6 +310,14 @@ class StreamLoader(Closing):
         return last.pad if last is not None else 0
 
     def __iter__(self) -> Generator[Any, None, None]:
+        """The next pass's batches: ``mx.np.ndarray`` while the iterating thread has Gluon's
+        numpy semantics on (``npx.set_np()``, checked at each batch, as Gluon's DataLoader
+        checks it where it batches), legacy ``mx.nd.NDArray`` otherwise."""
+        return self._iterate(legacy=False)
+
+    def _iterate(self, legacy: bool) -> Generator[Any, None, None]:
+        """A pass's batches; ``legacy``: legacy NDArrays whatever the mode (the Module API's
+        :class:`~gluon_stream.StreamIter`, as MXNet's own ``NDArrayIter``)."""
         self._check_open()
         start, carry, handover = self._starts.begin()
         end = start.position.end  # the rest of an ended epoch (a resumed state): nothing
@@ -317,7 +326,7 @@ class StreamLoader(Closing):
             if self.progress and not end else None
         self._starts.last = EpochPass(self.stream, self._path, self._settings, start, limit,
                                       expected, carry, handover)
-        return _held(self, iter(self._starts.last))
+        return _held(self, iter(self._starts.last), legacy)
 
     def _settings_saved(self) -> dict:
         """What decides the batches, stored in a state and checked on load."""
@@ -384,13 +393,24 @@ class StreamLoader(Closing):
         self.stream.check_open()
 
 
-def _held(loader: StreamLoader, batches: Iterator[Any]) -> Generator[Any, None, None]:
+def _held(loader: StreamLoader, batches: Generator[Any, None, None], legacy: bool
+          ) -> Generator[Any, None, None]:
     """``batches``, holding ``loader`` while they run: ``for b in StreamLoader(...)`` and
     ``next(iter(StreamLoader(...)))`` refer to the loader only through its iterator, and the
     loader's finalizer (which closes its stream and workers) must wait for the last of the two
     to go. An iterator abandoned mid-epoch and dropped closes its pass, then lets go of the
-    loader, which garbage collection then closes."""
-    yield from batches
+    loader, which garbage collection then closes.
+
+    The pipeline's arrays are legacy NDArrays; in numpy mode each batch is handed out as
+    ``mx.np.ndarray`` views of them (no copy)."""
+    if legacy:
+        yield from batches
+        return
+    try:
+        for batch in batches:
+            yield as_numpy_batch(batch) if numpy_mode() else batch
+    finally:
+        batches.close()  # an abandoned pass cancels its producers now
 
 
 def _check_even_batches(even_batches: Any, last_batch: str) -> None:
