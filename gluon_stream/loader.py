@@ -171,9 +171,9 @@ class StreamLoader(Closing):
         ``evaluate`` check ``isinstance``); MXNet is imported here, at first use. The names of
         the arguments the caller gave are kept: those a :class:`ShardStream` owns are refused
         next to one, whatever their value."""
-        loader: StreamLoader = super().__new__(gluon_data_loader(cls))
-        loader._named = frozenset(kwargs)
-        return loader
+        self: StreamLoader = super().__new__(gluon_data_loader(cls))
+        self._named = frozenset(kwargs)
+        return self
 
     def __init__(self, source: Source | ShardStream, batch_size: int, *,
                  transform: Callable[[Any], Any] | None = None,

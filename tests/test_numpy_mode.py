@@ -152,6 +152,24 @@ def test_the_mode_is_the_iterating_threads_at_each_batch():
         batches.close()
 
 
+def test_workers_forked_in_numpy_mode_follow_a_loop_in_legacy_mode():
+    """Worker processes forked while numpy mode was on keep it (fork copies the thread's
+    state); a batch asked for from a legacy loop is still made in legacy mode there."""
+    def kind(x, y):
+        return x, np.float32(mx.util.is_np_array())
+
+    src = gs.FunctionSource(range(1), patterns, cache_dir=None)
+    npx.set_np()
+    try:
+        loader = gs.StreamLoader(src, batch_size=8, sample_transform=kind, num_workers=1)
+    finally:
+        npx.reset_np()
+    with loader:
+        for _, made_in_numpy_mode in loader:
+            assert type(made_in_numpy_mode) is mx.nd.NDArray
+            assert made_in_numpy_mode.asnumpy().tolist() == [0.0] * 8
+
+
 def test_numpy_batches_are_views_not_copies(numpy_mode):
     """Slices of the shard, handed out as mx.np arrays over the same memory: no copy per batch."""
     src = gs.FunctionSource(range(1), lambda k: np.arange(16.0, dtype=np.float32), cache_dir=None)

@@ -32,12 +32,17 @@ def numpy_mode() -> bool:
 
 @contextlib.contextmanager
 def mode_scope(numpy: bool | None) -> Iterator[None]:
-    """Run the block with numpy shape and array semantics on (``numpy=True``), as the thread
-    that asked for the work had them; ``None`` or False: the calling thread's own mode."""
-    if not numpy or numpy_mode():
+    """Run the block in the mode of the thread that asked for the work: numpy shape and array
+    semantics on (``numpy=True``), or numpy arrays off (False: a worker forked from a thread in
+    numpy mode keeps that thread's mode); ``None``: the calling thread's own mode."""
+    if numpy is None or numpy == numpy_mode():
         yield
         return
     util = import_mxnet().util
+    if not numpy:
+        with util.np_array(False):  # numpy shapes may stay on: legacy code runs under them
+            yield
+        return
     with util.np_shape(True), util.np_array(True):
         yield
 

@@ -32,7 +32,7 @@ import numpy as np
 from .._utils import validate as _validate
 from ..errors import add_note
 from . import import_mxnet
-from .numpy_mode import as_legacy_batch, as_numpy_batch, mode_scope
+from .numpy_mode import as_legacy_batch, as_numpy_batch, mode_scope, numpy_mode
 from .shm import stack_batchify
 
 __all__ = ["SAMPLE_FORMATS", "BatchMaker", "Refs", "SampleFormat", "seed_mxnet_lazily",
@@ -118,12 +118,13 @@ class BatchMaker:
         nd = import_mxnet().nd if fmt == "ndarray" else None
         with seeded_globals(seed, in_worker=self.in_worker):
             samples = [_sample(sources[sid], i, nd) for sid, rows in refs for i in rows]
-            if nd is not None and import_mxnet().util.is_np_array():
+            numpy = numpy_mode()
+            if nd is not None and numpy:
                 samples = [as_numpy_batch(s) for s in samples]  # views of the rows made
             fn = self.sample_transform
             if fn is not None:
                 samples = [fn(*s) if isinstance(s, tuple) else fn(s) for s in samples]
-            if self.batchify_fn is stack_batchify:  # stacks with legacy operators
+            if numpy and self.batchify_fn is stack_batchify:  # it stacks with legacy operators
                 samples = as_legacy_batch(samples)
             return self.batchify_fn(samples)
 
