@@ -10,9 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import _horovod_worker as worker
+import pytest
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT_S = 240

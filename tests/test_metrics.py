@@ -12,7 +12,7 @@ import gluon_stream as gs
 from gluon_stream.records import EpochRecord, ShardRecord, TuningRecord
 
 tensorboardX = pytest.importorskip("tensorboardX")
-from tensorboardX.proto import event_pb2  # noqa: E402
+from tensorboardX.proto import event_pb2
 
 
 def read_events(logdir: Path) -> list:
