@@ -3,6 +3,7 @@ files) and to a callback, every N batches, per rank."""
 from __future__ import annotations
 
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,13 +12,10 @@ import pytest
 import gluon_stream as gs
 from gluon_stream.records import EpochRecord, ShardRecord, TuningRecord
 
-tensorboardX = pytest.importorskip("tensorboardX")
-from tensorboardX.proto import event_pb2
-
-
 def read_events(logdir: Path) -> list:
     """Every Event in a directory's TensorBoard event files (TFRecord framing: length, its
     CRC, the serialised Event, its CRC)."""
+    event_pb2 = pytest.importorskip("tensorboardX.proto.event_pb2")
     events = []
     for path in sorted(logdir.glob("events.out.tfevents.*")):
         data = path.read_bytes()
@@ -45,6 +43,7 @@ def shards(key):
 
 
 def test_a_loaders_metrics_reach_tensorboard_every_n_batches(tmp_path):
+    pytest.importorskip("tensorboardX")
     src = gs.FunctionSource(range(3), shards, cache_dir=None)
     with gs.StreamLoader(src, batch_size=4) as loader, \
             gs.MetricsExporter(loader, every=5, tensorboard=tmp_path) as metrics:
@@ -101,6 +100,7 @@ def _took(record: EpochRecord, batches: int, samples: int, stall: float) -> None
 
 
 def test_each_rank_exports_its_own(tmp_path):
+    pytest.importorskip("tensorboardX")
     for rank in range(2):
         src = gs.FunctionSource(range(4), shards, cache_dir=None)
         calls = []
@@ -143,3 +143,9 @@ def test_arguments_are_checked():
         gs.MetricsExporter(gs.Stats(), every=0)
     with pytest.raises(TypeError, match="tensorboard"):
         gs.MetricsExporter(gs.Stats(), tensorboard=3)
+
+
+def test_without_tensorboardx_a_log_directory_names_the_extra(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import fails as if not installed
+    with pytest.raises(ImportError, match=r"gluon_stream\[tensorboard\]"):
+        gs.MetricsExporter(gs.Stats(), tensorboard=tmp_path)
