@@ -16,6 +16,7 @@ from .errors import (BatchTimeout, CorruptShard, LoaderClosed, SchemaMismatch, S
 from .errors import (CacheFull, CheckpointConflict, CommandNotFound, InvalidState,
                      MemoryBudgetTooSmall, SizeUnknown, StaleShard, UnbatchableShard, UnsafeKey)
 from .loader import StreamLoader
+from .metrics import Metrics, MetricsExporter
 from .shardfile import inspect_shard, load_shard, write_shard
 from .sources import CommandSource, FileSource, FunctionSource, MixSource, Source
 from .stats import EpochRecord, ShardRecord, Stats, TuningRecord
@@ -36,6 +37,8 @@ __all__ = [
     "InvalidState",
     "LoaderClosed",
     "MemoryBudgetTooSmall",
+    "Metrics",
+    "MetricsExporter",
     "MixSource",
     "SchemaMismatch",
     "Shard",

@@ -22,6 +22,9 @@ StreamIter adapts a loader to that contract:
   ``set_epoch(e)`` makes the next pass epoch ``e`` (``Module.fit(begin_epoch=e)`` needs it);
 * ``provide_data``/``provide_label`` come from the batch in hand when ``next()`` is called
   first (``Module.score`` and ``predict`` do), so a pass of exactly one batch works.
+* its batches are legacy ``mx.nd.NDArray`` even under ``npx.set_np()``, as with MXNet's own
+  ``NDArrayIter``: the Module API binds legacy executors only (``StreamLoader`` hands out
+  ``mx.np.ndarray`` in numpy mode, for Gluon).
 """
 from __future__ import annotations
 
@@ -235,7 +238,7 @@ class StreamIter(data_iter_base(), Closing):  # type: ignore[misc]  # mx.io.Data
         """The next batch's arrays without consuming it; None at the end of the pass."""
         if self._peeked is None and not self._exhausted:
             if self._batches is None:
-                self._batches = iter(self.loader)
+                self._batches = self.loader._iterate(legacy=True)  # Module takes no mx.np
             batch = next(self._batches, None)
             while batch is not None and not self.padding_batches \
                     and self.loader.pad >= self.batch_size:

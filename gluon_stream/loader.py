@@ -17,10 +17,11 @@ chosen automatically:
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import weakref
 from concurrent.futures import Executor
-from typing import Any, Callable, Generator, Iterator, Mapping, Sequence
+from typing import Any, Callable, Generator, Mapping, Sequence
 
 from ._utils import validate as _validate
 from ._utils.closing import Closing
@@ -29,6 +30,7 @@ from ._utils.lifecycle import check_owner, track
 from ._mx import arrays as mx_arrays
 from ._mx import gluon_data_loader, import_mxnet
 from ._mx import workers as mx_workers
+from ._mx.numpy_mode import as_numpy_batch, numpy_mode
 from ._mx.samples import SAMPLE_FORMATS, SampleFormat
 from ._pipeline.batching import LAST_BATCH_MODES, LastBatch
 from ._utils.distributed import resolve_parts, synchronous_job
@@ -96,11 +98,12 @@ class StreamLoader(Closing):
             ``gluon.data.DataLoader``: ``num_workers > 0`` forks that many worker processes
             (once, here), ``thread_pool=True`` uses threads instead. Without
             ``batchify_fn``/``sample_transform`` batches are slices and no workers are needed.
-        prefetch: Shards produced ahead of the one being consumed (default 2, or tuned within
-            ``memory_budget`` when not given).
-        producers: Shards produced in parallel (threads, default 1), or a
+        prefetch: Shards produced ahead of the one being consumed. ``'auto'`` (default): 2,
+            or tuned within ``memory_budget``.
+        producers: Shards produced in parallel (threads), or a
             ``concurrent.futures.Executor`` (e.g. a dask client's) that generates them into a
-            shared ``cache_dir``.
+            shared ``cache_dir``. ``'auto'`` (default): one, and more while the loop waits for
+            shards and cores are free (see :class:`ShardStream`).
         on_error: ``'raise'`` (default), ``'skip'`` or ``('retry', n)`` per shard.
         schema: Expected ``[(dtype, trailing_shape), ...]``; default: the first shard's.
         stats: A :class:`Stats` to record into (default: a new one, ``loader.stats``).
@@ -162,36 +165,42 @@ class StreamLoader(Closing):
         [4, 4, 4, 4, 4, 4, 4, 2]
     """
 
+    _named: frozenset[str] = frozenset()  # the arguments the caller named (see __new__)
+
     def __new__(cls, *args: Any, **kwargs: Any) -> "StreamLoader":
         """A StreamLoader is a ``gluon.data.DataLoader`` too (``Estimator.fit`` and
-        ``evaluate`` check ``isinstance``); MXNet is imported here, at first use."""
-        return super().__new__(gluon_data_loader(cls))
+        ``evaluate`` check ``isinstance``); MXNet is imported here, at first use. The names of
+        the arguments the caller gave are kept: those a :class:`ShardStream` owns are refused
+        next to one, whatever their value."""
+        self: StreamLoader = super().__new__(gluon_data_loader(cls))
+        self._named = frozenset(kwargs)
+        return self
 
     def __init__(self, source: Source | ShardStream, batch_size: int, *,
-                 transform: Callable[[Any], Any] | None = _validate.UNSET,
+                 transform: Callable[[Any], Any] | None = None,
                  sample_transform: Callable[..., Any] | None = None,
-                 sample_format: SampleFormat = "auto", shuffle: bool = _validate.UNSET,
-                 shuffle_window: int = 1, seed: int | None = _validate.UNSET,
-                 last_batch: LastBatch = "keep", num_workers: int = _validate.UNSET,
+                 sample_format: SampleFormat = "auto", shuffle: bool = False,
+                 shuffle_window: int = 1, seed: int | None = None,
+                 last_batch: LastBatch = "keep", num_workers: int = 0,
                  thread_pool: bool = False,
                  batchify_fn: Callable[[list], Any] | None = None, pin_memory: bool = False,
                  pin_device_id: int = 0, timeout: float = 120,
-                 prefetch: int = _validate.UNSET, producers: int | Executor = _validate.UNSET,
-                 on_error: OnError = _validate.UNSET,
-                 schema: Sequence[tuple[Any, Sequence[int]]] | None = _validate.UNSET,
-                 stats: Stats | None = _validate.UNSET, progress: bool = False,
-                 num_parts: int | str = _validate.UNSET, part_index: int | str = _validate.UNSET,
-                 kvstore: Any = _validate.UNSET, even_batches: bool | str = False,
-                 shard_sizes: Mapping[Any, int] | Callable[[Any], int] | int | None
-                 = _validate.UNSET, num_epochs: int | None = _validate.UNSET,
+                 prefetch: int | str = "auto", producers: int | str | Executor = "auto",
+                 on_error: OnError = "raise",
+                 schema: Sequence[tuple[Any, Sequence[int]]] | None = None,
+                 stats: Stats | None = None, progress: bool | str = False,
+                 num_parts: int | str = 1, part_index: int | str = 0,
+                 kvstore: Any = None, even_batches: bool | str = False,
+                 shard_sizes: Mapping[Any, int] | Callable[[Any], int] | int | None = None,
+                 num_epochs: int | None = None,
                  ctx: Any = None, shards_on_ctx: bool = False,
                  samples_per_epoch: int | None = None,
-                 memory_budget: int | str | None = _validate.UNSET) -> None:
+                 memory_budget: int | str | None = None) -> None:
         import_mxnet()
+        named = self._named
         self.batch_size = _validate.integer("batch_size", batch_size, minimum=1)
         self.last_batch = _validate.choice("last_batch", last_batch, LAST_BATCH_MODES)
-        self.num_workers = _validate.integer(
-            "num_workers", num_workers if _validate.is_set(num_workers) else 0, minimum=0)
+        self.num_workers = _validate.integer("num_workers", num_workers, minimum=0)
         self.timeout = _validate.seconds("timeout", timeout)
         _check_even_batches(even_batches, self.last_batch)
         _validate.callable_or_none("sample_transform", sample_transform)
@@ -203,7 +212,7 @@ class StreamLoader(Closing):
             ("schema", schema), ("stats", stats), ("num_parts", num_parts),
             ("part_index", part_index), ("kvstore", kvstore), ("shard_sizes", shard_sizes),
             ("num_epochs", num_epochs), ("memory_budget", memory_budget))
-            if _validate.is_set(value)}
+            if name in named}
         stream, owns = _stream_of(source, given, even_batches, samples_per_epoch,
                                    self.batch_size)
         self.shuffle_window = _validate.integer("shuffle_window", shuffle_window, minimum=1)
@@ -230,7 +239,7 @@ class StreamLoader(Closing):
         # memory_budget on the per-sample path, num_workers not given: the tuner picks how
         # many of one worker process per usable core (forked here, once) make batches
         self._tuned_workers = (usable_cores() if stream.tuner is not None and not self.vectorised
-                               and not _validate.is_set(num_workers) and not thread_pool
+                               and "num_workers" not in named and not thread_pool
                                else 0)
         if self._tuned_workers:
             self.num_workers = self._tuned_workers
@@ -316,6 +325,14 @@ class StreamLoader(Closing):
         return last.pad if last is not None else 0
 
     def __iter__(self) -> Generator[Any, None, None]:
+        """The next pass's batches: ``mx.np.ndarray`` while the iterating thread has Gluon's
+        numpy semantics on (``npx.set_np()``, checked at each batch, as Gluon's DataLoader
+        checks it where it batches), legacy ``mx.nd.NDArray`` otherwise."""
+        return self._iterate(legacy=False)
+
+    def _iterate(self, legacy: bool) -> Generator[Any, None, None]:
+        """A pass's batches; ``legacy``: legacy NDArrays whatever the mode (the Module API's
+        :class:`~gluon_stream.StreamIter`, as MXNet's own ``NDArrayIter``)."""
         self._check_open()
         start, carry, handover = self._starts.begin()
         end = start.position.end  # the rest of an ended epoch (a resumed state): nothing
@@ -324,7 +341,7 @@ class StreamLoader(Closing):
             if self.progress and not end else None
         self._starts.last = EpochPass(self.stream, self._path, self._settings, start, limit,
                                       expected, carry, handover)
-        return _held(self, iter(self._starts.last))
+        return _held(self, iter(self._starts.last), legacy)
 
     def _settings_saved(self) -> dict:
         """What decides the batches, stored in a state and checked on load."""
@@ -393,13 +410,38 @@ class StreamLoader(Closing):
         self.stream.check_open()
 
 
-def _held(loader: StreamLoader, batches: Iterator[Any]) -> Generator[Any, None, None]:
+def _signature_of_init(cls: type) -> inspect.Signature:
+    """``cls.__init__``'s signature without ``self``: what ``inspect.signature(cls)`` (so
+    ``help()``, Jupyter's Shift-Tab, IDEs) shows, where ``__new__``'s ``(*args, **kwargs)``
+    would hide it. Annotations are evaluated where Python can (3.10+)."""
+    try:
+        signature = inspect.signature(cls.__init__, eval_str=True)  # type: ignore[misc]
+    except (TypeError, NameError):  # Python 3.9: no eval_str, or no ``X | Y`` at run time
+        signature = inspect.signature(cls.__init__)  # type: ignore[misc]
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+StreamLoader.__signature__ = _signature_of_init(StreamLoader)  # type: ignore[attr-defined]
+
+
+def _held(loader: StreamLoader, batches: Generator[Any, None, None], legacy: bool
+          ) -> Generator[Any, None, None]:
     """``batches``, holding ``loader`` while they run: ``for b in StreamLoader(...)`` and
     ``next(iter(StreamLoader(...)))`` refer to the loader only through its iterator, and the
     loader's finalizer (which closes its stream and workers) must wait for the last of the two
     to go. An iterator abandoned mid-epoch and dropped closes its pass, then lets go of the
-    loader, which garbage collection then closes."""
-    yield from batches
+    loader, which garbage collection then closes.
+
+    The pipeline's arrays are legacy NDArrays; in numpy mode each batch is handed out as
+    ``mx.np.ndarray`` views of them (no copy)."""
+    if legacy:
+        yield from batches
+        return
+    try:
+        for batch in batches:
+            yield as_numpy_batch(batch) if numpy_mode() else batch
+    finally:
+        batches.close()  # an abandoned pass cancels its producers now
 
 
 def _check_even_batches(even_batches: Any, last_batch: str) -> None:

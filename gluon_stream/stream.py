@@ -65,8 +65,8 @@ class ShardStream(Closing):
         transform: ``transform(raw) -> arrays`` per shard, run in a producer thread; ``raw`` is
             the ``.npy`` array or the tuple of ``.npz`` arrays. Returns an array, a tuple or a
             dict of arrays with a common first (sample) dimension.
-        prefetch: Shards produced ahead of the one being consumed (0: none; default 2, or
-            tuned within ``memory_budget`` when not given).
+        prefetch: Shards produced ahead of the one being consumed (0: none). ``'auto'``
+            (default): 2, or tuned within ``memory_budget``.
         producers: Shards produced at once. ``'auto'`` (default): one, and one more each time
             the consumer waits for a shard while every producer is busy and a core is free, up
             to ``min(prefetch, cores)``, counting the cores this process may use (its CPU
@@ -128,7 +128,7 @@ class ShardStream(Closing):
     """
 
     def __init__(self, source: Source, *, transform: Callable[[Any], Any] | None = None,
-                 prefetch: int = _validate.UNSET, producers: int | str | cf.Executor = "auto",
+                 prefetch: int | str = "auto", producers: int | str | cf.Executor = "auto",
                  shuffle: bool = False,
                  seed: int | None = None, on_error: OnError = "raise",
                  schema: Sequence[tuple[Any, Sequence[int]]] | None = None,
@@ -143,7 +143,7 @@ class ShardStream(Closing):
                             f"{type(source).__name__}")
         budget = (None if memory_budget is None
                   else _validate.byte_size("memory_budget", memory_budget))
-        fixed_prefetch = _validate.is_set(prefetch)
+        fixed_prefetch = not (isinstance(prefetch, str) and prefetch == "auto")
         self._remote = producers if isinstance(producers, cf.Executor) else None
         self.auto_producers = producers == "auto"
         caches = bool(getattr(source, "cached", False)) and self._remote is None

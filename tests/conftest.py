@@ -83,6 +83,7 @@ NOT_FAST = {
     "test_examples.py": EVERY_TEST,
     "test_fuzz.py": EVERY_TEST,
     "test_import_order.py": EVERY_TEST,
+    "test_horovod.py": EVERY_TEST,
     "test_kvstore.py": EVERY_TEST,
     "test_loader.py": (
         "test_an_unclosed_loader_does_not_hold_up_the_interpreters_exit",

@@ -129,6 +129,24 @@ def test_the_readme_has_a_one_line_command_after_each_marker_and_install_shows_i
     assert f"```bash\n{lines[i + 2]}\n```" in (ROOT / "docs" / "install.md").read_text()
 
 
+# What a newcomer must find in the README: every capability, by the name they would use.
+CAPABILITIES = ("CommandSource", "FunctionSource", "FileSource", "prefetch", "producers='auto'",
+                "shuffle_window", "sample_transform", "npx.set_np()", "mx.np.ndarray",
+                "memory_budget=", "state_dict()", "gs.merge_states", "gs.StreamCheckpoint",
+                "samples_per_epoch", "gs.MixSource", "even_batches", "Horovod", "kvstore",
+                "dask", "cache", "diagnose()", "gs.MetricsExporter", "TensorBoard",
+                "StreamIter", "gluon-stream demo")
+
+
+def test_the_readme_names_every_capability_and_dates_its_figures():
+    text = README.read_text(encoding="utf-8")
+    missing = [c for c in CAPABILITIES if c not in text]
+    assert not missing, f"README.md does not name {missing}"
+    fast = next(line for line in text.splitlines() if line.startswith("* **Fast**"))
+    paragraph = text[text.index(fast):].split("\n\n")[0]
+    assert re.search(r"measured (on )?20\d\d-\d\d-\d\d", paragraph), paragraph
+
+
 def slug(heading: str) -> str:
     """The anchor of a heading, as Python-Markdown's toc (and, for ours, GitHub) makes it."""
     text = re.sub(r"`|\*|\[|\]\([^)]*\)", "", heading)

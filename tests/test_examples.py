@@ -49,6 +49,15 @@ def test_gluoncv_classification_trains_a_model_zoo_net(tmp_path):
     assert "48 images" in line and "train accuracy" in line
 
 
+def test_d2l_numpy_trains_in_numpy_mode(tmp_path):
+    out = run([sys.executable, example("d2l_numpy.py"), "--tiny"], tmp_path).splitlines()
+    epochs = [line for line in out if line.startswith("epoch ")]
+    assert [line.split(":")[0] for line in epochs] == ["epoch 0", "epoch 1", "epoch 2"]
+    assert all("12 of 12 batches" in line for line in epochs)  # len(train_iter) held
+    assert out[-1].startswith("batches: mxnet.numpy.ndarray (16, 1, 16, 16)")
+    assert float(out[-1].rsplit(" ", 1)[1]) > 0.9
+
+
 def test_module_fit_trains_scores_and_predicts(tmp_path):
     out = run([sys.executable, example("module_fit.py"), "--tiny", "--prefetching"], tmp_path)
     lines = out.splitlines()

@@ -165,9 +165,11 @@ def place(data: Any, ctx: Any) -> Any:
     array. The copies are queued on MXNet's engine and run while the caller goes on."""
     if not isinstance(ctx, (list, tuple)):
         return as_in_context(data, ctx)
-    split_and_load = import_mxnet().gluon.utils.split_and_load
-    return _each_ndarray(data, lambda array: split_and_load(array, list(ctx), batch_axis=0,
-                                                             even_split=False))
+    mx = import_mxnet()
+    split_and_load = mx.gluon.utils.split_and_load
+    with mx.util.np_array(False):  # legacy arrays, split by legacy operators in numpy mode too
+        return _each_ndarray(data, lambda array: split_and_load(array, list(ctx), batch_axis=0,
+                                                                 even_split=False))
 
 
 # -- NDArrays over numpy memory -----------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .._utils.closing import CLOSE_WAIT_S, WAIT_SLICE_S, end_thread_pool
+from .numpy_mode import numpy_mode
 from .samples import BatchMaker, Refs
 from .worker_deaths import closed_while, too_slow
 
@@ -91,7 +92,8 @@ class ThreadWorkers(InlineWorkers):
                 future.set_exception(exc)
             self._futures[tid] = future
             return
-        self._futures[tid] = self._pool.submit(self.maker, sources, refs)
+        # made in the mode of the loop's thread (Gluon's numpy semantics are thread-local)
+        self._futures[tid] = self._pool.submit(self.maker, sources, refs, None, numpy_mode())
 
     def result(self, tid: int, timeout: float, what: str = "") -> Any:
         future = self._futures.pop(tid)

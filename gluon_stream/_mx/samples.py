@@ -32,6 +32,7 @@ import numpy as np
 from .._utils import validate as _validate
 from ..errors import add_note
 from . import import_mxnet
+from .numpy_mode import as_legacy_batch, as_numpy_batch, mode_scope, numpy_mode
 from .shm import stack_batchify
 
 __all__ = ["SAMPLE_FORMATS", "BatchMaker", "Refs", "SampleFormat", "seed_mxnet_lazily",
@@ -79,8 +80,19 @@ class BatchMaker:
         return self._format
 
     def __call__(self, sources: Mapping[int, Sequence[np.ndarray]], refs: Refs,
-                 seed: int | None = None) -> Any:
-        """The batch of ``refs``; with a ``seed``, made with the global RNGs seeded from it."""
+                 seed: int | None = None, numpy: bool | None = None) -> Any:
+        """The batch of ``refs``; with a ``seed``, made with the global RNGs seeded from it.
+
+        ``numpy``: the loop's thread had Gluon's numpy semantics on (``npx.set_np()``), so the
+        batch is made with them on here too (NDArray rows are ``mx.np.ndarray``, Gluon's
+        default batchify stacks into those); None: this thread's own mode. What comes back
+        holds legacy NDArray views (no copy), as every stage after this one expects.
+        """
+        with mode_scope(numpy):
+            return as_legacy_batch(self._either(sources, refs, seed))
+
+    def _either(self, sources: Mapping[int, Sequence[np.ndarray]], refs: Refs,
+                seed: int | None) -> Any:
         if self.sample_format != "auto" or self._format == "ndarray":
             return self._make(sources, refs, self._format, seed)
         try:
@@ -106,9 +118,14 @@ class BatchMaker:
         nd = import_mxnet().nd if fmt == "ndarray" else None
         with seeded_globals(seed, in_worker=self.in_worker):
             samples = [_sample(sources[sid], i, nd) for sid, rows in refs for i in rows]
+            numpy = numpy_mode()
+            if nd is not None and numpy:
+                samples = [as_numpy_batch(s) for s in samples]  # views of the rows made
             fn = self.sample_transform
             if fn is not None:
                 samples = [fn(*s) if isinstance(s, tuple) else fn(s) for s in samples]
+            if numpy and self.batchify_fn is stack_batchify:  # it stacks with legacy operators
+                samples = as_legacy_batch(samples)
             return self.batchify_fn(samples)
 
 

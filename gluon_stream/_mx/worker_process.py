@@ -64,10 +64,11 @@ def worker_main(sock: socket.socket, maker: BatchMaker, inherited: list[int],
         elif kind == "detach":
             sources.pop(message[1], None)
         elif kind == "task":
-            tid, refs, seed = message[1], message[2], message[3]
+            tid, refs, seed, numpy = message[1], message[2], message[3], message[5]
             slots.release(message[4])  # slots whose batches the loader dropped
             try:
-                payload, slot, size, retired, new_fd = slots.write(maker(sources, refs, seed))
+                payload, slot, size, retired, new_fd = slots.write(maker(sources, refs, seed,
+                                                                          numpy))
             except Exception as exc:
                 conn.send(("error", tid, pickle_error(exc)))
                 continue

@@ -65,6 +65,7 @@ from .._utils.closing import WAIT_SLICE_S
 from ..errors import WorkerDied, add_note
 from .in_process import PER_WORKER, InlineWorkers, ThreadWorkers
 from .parent_pipe import ParentPipe
+from .numpy_mode import numpy_mode
 from .samples import BatchMaker, Refs
 from .shm import SharedArrays, SlotTable, recv_fds, remove_worker_shm, send_fds
 from .worker_deaths import DeathBudget, closed_while, death, too_slow, what_of
@@ -96,6 +97,7 @@ class _Task:
     what: str
     key: Any
     seed: int | None
+    numpy: bool = False  # the loop's thread had Gluon's numpy semantics on
     worker: "_Worker | None" = None
 
 
@@ -223,7 +225,7 @@ class ProcessWorkers:
 
     def submit(self, tid: int, refs: Refs, what: str = "", key: Any = None,
                seed: int | None = None) -> None:
-        self._tasks[tid] = _Task(refs, what, key, seed)
+        self._tasks[tid] = _Task(refs, what, key, seed, numpy_mode())
         self._queue.append(tid)
         self._dispatch()
 
@@ -316,7 +318,8 @@ class ProcessWorkers:
             task = self._tasks.get(tid)
             if task is None:
                 continue
-            message = ("task", tid, list(task.refs), task.seed, self._slots.freed(worker.serial))
+            message = ("task", tid, list(task.refs), task.seed, self._slots.freed(worker.serial),
+                       task.numpy)
             if self._send(worker, message):
                 task.worker, worker.last = worker, task
                 worker.busy.add(tid)
