@@ -24,7 +24,9 @@ def _horovod_mxnet() -> bool:
         return False
 
 
-pytestmark = pytest.mark.skipif(not _horovod_mxnet(),
+# CI builds horovod (.ci/run) and sets GS_REQUIRE_HOROVOD=1: there a missing build fails the
+# test instead of skipping it, so the job cannot silently stop being run
+pytestmark = pytest.mark.skipif(not _horovod_mxnet() and not os.environ.get("GS_REQUIRE_HOROVOD"),
                                 reason="horovod with MXNet is not installed")
 
 
