@@ -40,7 +40,7 @@ from ._pipeline.keys import KeyTape, part_endless, part_keys
 from ._pipeline.producers import ProducerPool, Throttle
 from ._pipeline.remainder import Remainder
 from ._pipeline.run import EpochRun, RunState
-from ._pipeline.shard import Prepare, Shard
+from ._pipeline.shard import Owned, Prepare, Shard
 from ._pipeline.tuning import DEFAULT_PREFETCH, Limits, Tunable, Tuner, start_knobs
 from .records import ShardRecord
 from .stats import Stats
@@ -614,6 +614,7 @@ class ShardStream(Closing):
                          else self.source.produce(key, made, executor=self._remote))
         t1 = clock()
         arrays = raw.arrays
+        owned = raw.owned and self.transform is None  # a transform's output is user code's
         if self.transform is not None:
             arg = arrays[0] if len(arrays) == 1 else arrays
             try:
@@ -634,9 +635,9 @@ class ShardStream(Closing):
         names = names_of(arrays)
         if prepare is not None:  # it applies the order while copying (no extra copy)
             what = f"shard {key!r} (file {raw.path!r}, epoch {epoch})"
-            # a tuple of our own, and the raw shard's let go: an array no one else holds may
-            # be consumed by its copy (see gluon_stream._mx.consumed)
-            arrays, raw.arrays = tuple(list(arrays)), ()
+            # the raw shard's let go; arrays the loader owns are handed over as Owned: their
+            # copy may give their memory back (see gluon_stream._mx.consumed)
+            arrays, raw.arrays = (Owned if owned else tuple)(list(arrays)), ()
             arrays = prepare(arrays, order, what)
         elif order is not None:
             arrays = tuple(a[order] for a in arrays)  # not np.take: it copies a strided input

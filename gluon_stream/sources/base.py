@@ -42,7 +42,9 @@ class RawShard:
     """One produced shard before the user's transform: arrays plus where they came from.
 
     ``source`` names the source it came from within a :class:`~gluon_stream.MixSource`
-    (None for a source used alone).
+    (None for a source used alone). ``owned``: the loader owns the arrays, nothing else holds
+    them (it read them from a file itself, not memory-mapped; or a function handed them over,
+    ``FunctionSource(fresh_arrays=True)``): a copy of them may give their memory back.
     """
 
     key: Any
@@ -53,6 +55,7 @@ class RawShard:
     generate_s: float = 0.0
     load_s: float = 0.0
     source: str | None = None
+    owned: bool = False
 
 
 class Source(Closing):
@@ -332,7 +335,9 @@ class CachingSource(Source):
                     logger.warning("cached shard %s for key %r is unreadable; deleted it, "
                                    "regenerating", path, key)
                     continue
-            return RawShard(key, epoch, arrays, path, hit, generate_s, time.perf_counter() - t1)
+            # read here: the loader's own arrays, unless memory-mapped (the file's pages)
+            return RawShard(key, epoch, arrays, path, hit, generate_s, time.perf_counter() - t1,
+                            owned=not self._mmap)
         raise ShardError(f"shard {key!r}: gone from the cache {LOAD_ATTEMPTS} times before it "
                          "could be read: deleted by another program, or evicted by a process "
                          "that cannot see this reader (an fsspec cache_dir shared by several "

@@ -67,7 +67,9 @@ class FileSource(Source):
                 arrays = load_shard(local)
         else:
             arrays = load_shard(key, mmap=self._mmap)
-        return RawShard(key, epoch, arrays, key, True, 0.0, time.perf_counter() - t0)
+        # read here: the loader's own arrays, unless memory-mapped (the file's pages)
+        return RawShard(key, epoch, arrays, key, True, 0.0, time.perf_counter() - t0,
+                        owned=is_url(key) or not self._mmap)
 
     def num_samples(self, key: Any, epoch: int) -> int | None:
         if is_url(key):
