@@ -20,6 +20,7 @@ import concurrent.futures as cf
 import contextlib
 import itertools
 import logging
+import mmap
 import weakref
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -41,6 +42,9 @@ from ._pipeline.producers import ProducerPool, Throttle
 from ._pipeline.remainder import Remainder
 from ._pipeline.run import EpochRun, RunState
 from ._pipeline.shard import Owned, Prepare, Shard
+from ._pipeline.admission import Admission, GiveWay, MemoryGate
+from ._pipeline.offsets import Deferred
+from ._utils.validate import format_bytes
 from ._pipeline.tuning import DEFAULT_PREFETCH, Limits, Tunable, Tuner, start_knobs
 from .records import ShardRecord
 from .stats import Stats
@@ -206,12 +210,16 @@ class ShardStream(Closing):
                            else _validate.integer("num_epochs", num_epochs, minimum=1))
         self._res = ProducerPool(source, throttle)
         self.memory_budget = budget
+        #: memory admitted before it is allocated, within the budget (None: no budget)
+        self.gate = None if budget is None else MemoryGate(budget)
         target: Tunable = self
         self.tuner = None if budget is None else Tuner(
             target, Limits(budget, throttle.bound, fixed_prefetch=fixed_prefetch,
                            fixed_producers=not self.auto_producers),
             lambda: self.stats.clock() - self.stats.origin, self.stats.add_tuning)
-        self._finalizer = weakref.finalize(self, self._res.close)
+        if self.tuner is not None and self.gate is not None:
+            self.tuner.on_rows = self.gate.set_outside
+        self._finalizer = weakref.finalize(self, _close_all, self._res, self.gate)
         track(self, self._finalizer)
 
     def _auto_generate_ahead(self, prefetch: int) -> int:
@@ -537,8 +545,21 @@ class ShardStream(Closing):
     def submit_shard(self, key: Any, epoch: int, index: int, run: EpochRun,
                      prepare: Prepare | None) -> cf.Future:
         """Produce shard ``key`` at position ``index`` of ``epoch`` for ``run`` in a producer
-        thread: a future of the :class:`Shard`."""
-        return self._res.executor.submit(self._produce, key, epoch, index, run, prepare)
+        thread: a future of the :class:`Shard`. With a ``memory_budget`` its admission opens
+        here, in the order the loop needs the shards (a producer that starts a later shard
+        first leaves room for the earlier ones)."""
+        adm = self._open_admission(key, epoch, index)
+        fut = self._res.executor.submit(self._produce, key, epoch, index, run, prepare, adm)
+        if adm is not None:  # never run, or failed: nothing is held
+            fut.add_done_callback(lambda f: adm.release() if f.cancelled() or f.exception()
+                                  is not None else None)
+        return fut
+
+    def _open_admission(self, key: Any, epoch: int, index: int) -> Admission | None:
+        if self.gate is None:
+            return None
+        return self.gate.open((epoch, index), f"shard {key!r} (epoch {epoch})",
+                              self.transform is not None)
 
     def submit_generation(self, key: Any, epoch: int, index: int, run: EpochRun) -> cf.Future:
         """Generate shard ``key`` of ``epoch`` (at position ``index`` of ``run``'s pass) into
@@ -547,15 +568,15 @@ class ShardStream(Closing):
         return self._res.executor.submit(self._generate, key, epoch, index, run)
 
     def _produce(self, key: Any, epoch: int, index: int, run: "EpochRun | None",
-                 prepare: Prepare | None) -> Shard:
+                 prepare: Prepare | None, adm: Admission | None = None) -> Shard:
         """Runs in a producer thread: generate/load, transform, shuffle, prepare."""
         if run is not None and run.cancelled:
             raise LoaderClosed("epoch pass cancelled")
         if run is None:  # produce_now: in the caller's thread, outside the producers' count
-            return self._make(key, epoch, index, run, prepare)
+            return self._make(key, epoch, index, run, prepare, adm=adm)
         try:  # made ahead into the cache: only loading is left once its generation is done
             with self._placed(run, index) as generated_s:
-                shard = self._make(key, epoch, index, run, prepare)
+                shard = self._make(key, epoch, index, run, prepare, adm=adm)
         except BaseException:
             if run.offsets is not None:  # the shards after it stop waiting for its size
                 run.offsets.failed(index)
@@ -603,19 +624,45 @@ class ShardStream(Closing):
             self._res.throttle.give()
 
     def _make(self, key: Any, epoch: int, index: int, run: "EpochRun | None",
-              prepare: Prepare | None, whole: bool = False, before: int | None = None) -> Shard:
-        if run is not None and run.cancelled:
-            raise LoaderClosed("epoch pass cancelled")
+              prepare: Prepare | None, whole: bool = False, before: int | None = None,
+              adm: Admission | None = None) -> Shard:
+        """Make one shard, its memory admitted against ``memory_budget`` part by part before
+        it is allocated (:mod:`gluon_stream._pipeline.admission`; ``adm``: opened when the
+        shard was submitted): the admission is held until the shard is freed."""
+        if adm is None:
+            adm = self._open_admission(key, epoch, index)
+        try:
+            if run is not None and run.cancelled:
+                raise LoaderClosed("epoch pass cancelled")
+            shard = self._admitted(key, epoch, index, run, prepare, whole, before,
+                                   _Reserver(self, run, adm))
+        except BaseException:
+            if adm is not None:
+                adm.release()
+            raise
+        if adm is not None:
+            shard.admission = adm
+            # given back when the memory is: the prepared arrays' owner (shared memory lives
+            # while workers hold it), else the shard
+            weakref.finalize(getattr(shard.arrays, "memory_owner", shard), adm.release)
+        return shard
+
+    def _admitted(self, key: Any, epoch: int, index: int, run: "EpochRun | None",
+                  prepare: Prepare | None, whole: bool, before: int | None,
+                  gate: "_Reserver") -> Shard:
         lane = self._res.throttle.lane()
         clock = self.stats.clock
         t0 = clock()
         made = self.made_epoch(epoch, index)
+        gate.reserve("raw")  # the largest raw shard seen: its size is not known before
         raw: RawShard = (self.source.produce(key, made) if self._remote is None
                          else self.source.produce(key, made, executor=self._remote))
+        gate.made("raw", raw.arrays)
         t1 = clock()
         arrays = raw.arrays
         owned = raw.owned and self.transform is None  # a transform's output is user code's
         if self.transform is not None:
+            gate.reserve("transformed")  # the largest seen (the raw shard's size at first)
             arg = arrays[0] if len(arrays) == 1 else arrays
             try:
                 value = self.transform(arg)
@@ -625,14 +672,19 @@ class ShardStream(Closing):
                 raise
             arrays = normalize_arrays(value, what=f"transform output of shard {key!r}")
             del arg, value  # the transform's output is held by ``arrays`` alone
+            gate.made("transformed", arrays)
         full_size = len(arrays[0])
-        nbytes = sum(int(getattr(a, "nbytes", 0)) for a in arrays)
+        nbytes = _nbytes(arrays)
         if run is not None and run.offsets is not None:  # deal='balanced'
             before = self._rows_before(run, index, full_size)
         order = None if whole else self.row_order(key, epoch, full_size, index, before)
         if run is not None and run.cancelled:
             raise LoaderClosed("epoch pass cancelled")
         names = names_of(arrays)
+        source_nbytes = gate.source_bytes()
+        copies = prepare is not None or order is not None
+        if copies:  # its exact bytes, before the copy is made
+            gate.reserve("copy", _copy_bytes(arrays, order))
         if prepare is not None:  # it applies the order while copying (no extra copy)
             what = f"shard {key!r} (file {raw.path!r}, epoch {epoch})"
             # the raw shard's let go; arrays the loader owns are handed over as Owned: their
@@ -641,8 +693,11 @@ class ShardStream(Closing):
             arrays = prepare(arrays, order, what)
         elif order is not None:
             arrays = tuple(a[order] for a in arrays)  # not np.take: it copies a strided input
+        # a form that keeps the source arrays (``raw``: a shuffle window's shards) copied none
+        gate.copied(copies and getattr(arrays, "raw", None) is None)
         shard = Shard(key, epoch, index, arrays, names=names, full_size=full_size,
-                      rows=int(arrays[0].shape[0]), schema=schema_of(arrays))
+                      rows=int(arrays[0].shape[0]), schema=schema_of(arrays),
+                      source_nbytes=source_nbytes)
         t2 = clock()
         gen_end = t0 + raw.generate_s
         load_end = gen_end + raw.load_s
@@ -676,3 +731,108 @@ class ShardStream(Closing):
     def close(self) -> None:
         """Stop producers, kill running generators and release everything; idempotent."""
         self._finalizer()
+
+
+def _close_all(res: ProducerPool, gate: MemoryGate | None) -> None:
+    if gate is not None:  # producers waiting for memory wake and stop
+        gate.close()
+    res.close()
+
+
+def _nbytes(arrays: Sequence[Any]) -> int:
+    return sum(int(getattr(a, "nbytes", 0)) for a in arrays)
+
+
+def _memory_of(arrays: Sequence[Any], counted: set[int]) -> int:
+    """Bytes of memory ``arrays`` hold, each block once: a view counts the array that owns its
+    memory, unless ``counted`` holds it already (a transform's windows over the raw arrays
+    cost nothing more); memory-mapped files hold no memory of this process. Adds to
+    ``counted``."""
+    total = 0
+    for a in arrays:
+        root = a  # down the views (as_strided's too, through numpy's DummyArray) to the owner
+        while (base := getattr(root, "base", None)) is not None \
+                and not isinstance(base, (mmap.mmap, bytes, bytearray, memoryview)):
+            root = base
+        if id(root) in counted:
+            continue
+        counted.add(id(root))
+        if isinstance(getattr(root, "base", None), mmap.mmap):
+            continue
+        total += int(getattr(root, "nbytes", 0))
+    return total
+
+
+def _copy_bytes(arrays: Sequence[Any], order: np.ndarray | None) -> int:
+    """Bytes of a copy of ``arrays``'s rows in ``order`` (all of them without)."""
+    total = 0
+    for a in arrays:
+        rows = len(a)
+        total += (int(getattr(a, "nbytes", 0)) // rows if rows else 0) * (
+            rows if order is None else len(order))
+    return total
+
+
+class _Reserver:
+    """A producer's reservations for one shard (nothing without a ``memory_budget``): it waits
+    for room with its producer's place given up, and stops when the pass or stream ends."""
+
+    def __init__(self, stream: ShardStream, run: "EpochRun | None",
+                 adm: Admission | None) -> None:
+        self.stream, self.run, self.adm = stream, run, adm
+        self._counted: set[int] = set()  # memory blocks counted already (raw, then transformed)
+
+    def _closed(self) -> bool:
+        return self.stream.closed or (self.run is not None and self.run.cancelled)
+
+    def reserve(self, part: str, nbytes: int | None = None) -> None:
+        """Hold ``nbytes`` for ``part`` (None: not known yet, the largest seen, or the raw
+        arrays' for the first transform's output)."""
+        adm = self.adm
+        if adm is None:
+            return
+        exact = nbytes is not None
+        if nbytes is None:
+            nbytes = adm.gate.largest[part] or (adm.held["raw"] if part == "transformed" else 0)
+        # a producer's place is held only in a pass (produce_now runs in the caller's thread)
+        try:
+            adm.reserve(part, nbytes, self._closed,
+                        self.stream._res.throttle.released if self.run is not None else None,
+                        exact)
+        except GiveWay as exc:
+            logger.info("%s: made again when the loop reaches it", exc)
+            raise Deferred(f"{exc}: made again when the loop reaches it") from None
+
+    def made(self, part: str, arrays: Sequence[Any]) -> None:
+        """``part`` is made: the memory its arrays hold (a transform's views of the raw
+        arrays add nothing) is counted at once.
+
+        Raises:
+            Deferred: It grew beyond its reservation and leaves too little room for the
+                shards the loop needs first: freed, it is made again when the loop reaches it.
+        """
+        adm = self.adm
+        if adm is None:
+            return
+        nbytes = _memory_of(arrays, self._counted)
+        if not adm.made(part, nbytes):
+            logger.info("%s: its %s arrays (%s) grew beyond the room left within "
+                        "memory_budget for the shards before it: made again when the loop "
+                        "reaches it", adm.what, part, format_bytes(nbytes))
+            raise Deferred(f"{adm.what} deferred: its {part} arrays ({format_bytes(nbytes)}) "
+                           "leave too little room within memory_budget for the shards before "
+                           "it")
+
+    def source_bytes(self) -> int:
+        """The raw and transformed arrays' bytes: alive beside the copy while it is made."""
+        return 0 if self.adm is None else self.adm.held["raw"] + self.adm.held["transformed"]
+
+    def copied(self, copied: bool) -> None:
+        """The shard is prepared: a copy frees its source; else (no copy, or a form that keeps
+        the source arrays: a shuffle window's shards) its arrays are what it holds."""
+        if self.adm is None:
+            return
+        if copied:
+            self.adm.drop("raw", "transformed")
+        else:
+            self.adm.drop("copy")

@@ -460,10 +460,12 @@ class EpochRun:
             record = shard.record
             assert record is not None  # _make records every shard it makes
             stream.stats.add_shard(record)
+            if shard.admission is not None:  # the loop has it: shards after it rank first
+                shard.admission.handed()
             if stream.tuner is not None:  # may refuse the shard: before any batch of it
                 stream.tuner.shard_ready(key, record.nbytes, record.samples, self.last_wait_s,
                                          record.generate_s + record.load_s + record.transform_s,
-                                         self.epoch)
+                                         self.epoch, shard.source_nbytes)
                 self._fill(stream.prefetch)  # a prefetch just raised fills the window now
             stream.sizes.remember(key, stream.made_epoch(self.epoch, index), shard.full_size)
             expected = stream.sizes.shard_size(key, self.epoch, index=index,

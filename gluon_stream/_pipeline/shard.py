@@ -58,6 +58,11 @@ class Shard:
     #: may wait for it behind a busy producer, a few hundred us at a shard boundary
     rows: int = -1
     schema: list | None = field(repr=False, default=None)
+    #: bytes of its raw and transformed arrays, alive beside its copy while it was made
+    source_nbytes: int = 0
+    #: its memory admitted against ``memory_budget`` (a ``_pipeline.admission.Admission``),
+    #: given back when the shard is freed; None without a budget
+    admission: Any = field(repr=False, default=None)
 
     def __len__(self) -> int:
         return self.rows if self.rows >= 0 else int(self.arrays[0].shape[0])
