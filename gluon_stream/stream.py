@@ -118,11 +118,13 @@ class ShardStream(Closing):
             are not evicted before they are read).
         memory_budget: Bytes (or a string with a unit: ``"4GiB"``, ``"512MB"``) the stream may
             hold for data: shards produced or loading ahead, the copies producers make, and what
-            a loader keeps in flight. Within it ``prefetch`` and ``producers`` (unless given)
-            are tuned live from what is measured, each change logged at INFO with its reason
-            and kept in :attr:`Stats.tuning`; a budget that cannot hold the shard in use plus
-            one more raises :class:`~gluon_stream.MemoryBudgetTooSmall` (see
-            :mod:`gluon_stream._pipeline.tuning` and the performance guide).
+            a loader keeps in flight. Each shard's raw arrays, transform output and copy are
+            admitted against it before they are allocated (:attr:`gate`, see
+            :mod:`gluon_stream._pipeline.admission`). Within it ``prefetch`` and ``producers``
+            (unless given) are tuned live from what is measured, each change logged at INFO
+            with its reason and kept in :attr:`Stats.tuning`; a budget that cannot hold the
+            least settings raises :class:`~gluon_stream.MemoryBudgetTooSmall` naming what it
+            counts (see :mod:`gluon_stream._pipeline.tuning` and the memory-budget guide).
 
     Example:
         >>> from gluon_stream import FunctionSource

@@ -1,7 +1,8 @@
 """Tuning within a memory budget: how many shards to produce ahead and at once, decided live.
 
-``memory_budget=`` bounds what a stream holds for data. :func:`footprint` says what a setting
-costs, :func:`decide` (pure: measurements and the budget in, a setting and its reason out, no
+``memory_budget=`` bounds what a stream holds for data: as a hard limit where memory is made
+(:mod:`.admission`: every shard's parts admitted before they are allocated), and here, softly,
+in the settings chosen within it. :func:`footprint` says what a setting costs, :func:`decide` (pure: measurements and the budget in, a setting and its reason out, no
 clock, no MXNet) what to run with next, and :class:`Tuner` owns the measurements of one stream,
 applies each decision to a :class:`Tunable` and records it.
 
@@ -10,14 +11,15 @@ What is counted, per shard of ``S`` bytes (the largest seen, after ``transform``
 * the shard the loop trains on, the one before it (the loop's last batch of it, a view, still
   holds it while the next begins), and the ``prefetch`` shards produced or loading ahead
   (``max(prefetch, shuffle_window)`` with a window, plus the window's gathered unit);
-* one more copy per producer at work (at most ``prefetch + 1`` work): while a shard is made,
-  its raw arrays and the copy the loader prepares of them (an NDArray, shared memory for the
-  workers) are both alive;
+* the source of each shard a producer is making (at most ``prefetch + 1`` work): while a
+  shard is made, its raw arrays, the transform's output (the largest of both seen together,
+  ``source_bytes``) and the copy the loader prepares of them (an NDArray, shared memory for
+  the workers) are all alive;
 * batches in flight: the loop's, and on the per-sample path the workers' slots
   (``rows_in_flight`` rows of the shard's bytes per sample).
 
-The least a loader can run with is ``prefetch=0`` and one producer: three shards (the one
-trained on, and the next one's arrays with the copy made of them). A budget below that, or a
+The least a loader can run with is ``prefetch=0`` and one producer: the shard trained on, and
+the next one's copy with its source beside it (three shards without a transform). A budget below that, or a
 shard larger than the budget, raises :class:`~gluon_stream.MemoryBudgetTooSmall`.
 
 The rule, at each shard handed out (from rule 4 on, once at least :data:`MIN_SHARDS` shards

@@ -40,7 +40,7 @@ STEP_S = 0.004  # the loop's seconds per batch (8 batches a small shard)
 #: shape -> its budget, keys, shard bytes (``small`` before key ``grow_at``, ``large`` from
 #: it), the loop's seconds per batch (``step_s``), and what it exercises
 SHAPES: dict[str, dict[str, Any]] = {
-    "growing": dict(budget=72 * MIB, keys=12, small=2 * MIB, large=20 * MIB, grow_at=4,
+    "growing": dict(budget=64 * MIB, keys=12, small=2 * MIB, large=20 * MIB, grow_at=4,
                     step_s=0.001),
     "growing-processes": dict(budget=68 * MIB, keys=12, small=2 * MIB, large=20 * MIB,
                               grow_at=4, processes=True),
