@@ -638,6 +638,14 @@ class ShardStream(Closing):
                 raise LoaderClosed("epoch pass cancelled")
             shard = self._admitted(key, epoch, index, run, prepare, whole, before,
                                    _Reserver(self, run, adm))
+        except Deferred as exc:
+            if adm is not None:
+                adm.release()
+            # without the frames that made the shard (nor those of the exception it came from):
+            # the future keeps the exception until the loop reaches the shard, and they would
+            # keep its arrays alive
+            exc.__context__ = exc.__cause__ = None
+            raise exc.with_traceback(None) from None
         except BaseException:
             if adm is not None:
                 adm.release()
@@ -656,9 +664,15 @@ class ShardStream(Closing):
         clock = self.stats.clock
         t0 = clock()
         made = self.made_epoch(epoch, index)
-        gate.reserve("raw")  # the largest raw shard seen: its size is not known before
+        # exact from a file's headers where the source can tell (a program's shard, made
+        # first), else the largest raw shard seen
+        peek = self.source.raw_bytes(key, made) \
+            if gate.adm is not None and self._remote is None else None
+        gate.reserve("raw", None if peek is None else peek[0])
         raw: RawShard = (self.source.produce(key, made) if self._remote is None
                          else self.source.produce(key, made, executor=self._remote))
+        if peek is not None:  # it was made (or found) by the peek
+            raw.cache_hit, raw.generate_s = peek[1], raw.generate_s + peek[2]
         gate.made("raw", raw.arrays)
         t1 = clock()
         arrays = raw.arrays

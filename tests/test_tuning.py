@@ -734,3 +734,31 @@ def test_the_bench_compares_the_budget_with_a_grid_and_a_tight_budget():
     assert res["workloads"]["per-sample"]["contenders"]["budget"]["chosen"]["num_workers"] >= 1
     lines = "\n".join(tuning.tuning_lines(res))
     assert "budget-only x best" in lines and "per-sample" in lines
+
+
+@pytest.mark.mxnet
+def test_a_program_shards_raw_bytes_are_admitted_from_its_header_before_it_is_read(
+        tmp_path, monkeypatch):
+    """A CommandSource's shard is written by another program: the stream reads its header
+    and admits exactly what the raw arrays will hold before the loader reads the file (shards
+    growing from one key to the next change nothing)."""
+    from fake_generator import command_source
+    from gluon_stream.sources import base
+    from gluon_stream.shardfile import inspect_shard
+
+    at_load = []
+    real = base.load_shard
+
+    def spying(path, **kw):
+        held = sorted(a.held["raw"] for a in loader.stream.gate._holding.values())
+        at_load.append((sum(i.nbytes for i in inspect_shard(path)), held))
+        return real(path, **kw)
+
+    monkeypatch.setattr(base, "load_shard", spying)
+    source = command_source(tmp_path, keys=("a", "b", "c"), rows=3000)
+    loader = gs.StreamLoader(source, batch_size=500, memory_budget=64 * MB)
+    with loader:
+        assert sum(len(b) for b in loader) == 9000
+    assert len(at_load) >= 3
+    for nbytes, held in at_load:
+        assert nbytes in held, (nbytes, held)  # reserved before the read, exactly

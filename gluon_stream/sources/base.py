@@ -22,10 +22,10 @@ from ..cache import ShardCache, make_cache
 from ..cache.recipe import recipe_digest
 from ..errors import CorruptShard, LoaderClosed, ShardError, UnsafeKey, UnsafeShard
 from .._pipeline.keys import Keys, check_keys, keys_for_epoch, validate_key
-from ..shardfile import load_shard
+from ..shardfile import inspect_shard, load_shard
 
 __all__ = ["CachingSource", "LOAD_ATTEMPTS", "NAMESPACE_SEPARATOR", "RawShard", "Source",
-           "run_elsewhere"]
+           "header_bytes", "run_elsewhere"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,14 @@ class Source(Closing):
 
     def num_samples(self, key: Any, epoch: int) -> int | None:
         """Sample count of a shard if known without producing it, else None."""
+        return None
+
+    def raw_bytes(self, key: Any, epoch: int) -> tuple[int, bool, float] | None:
+        """``(bytes, cache_hit, seconds)``: the memory the shard's raw arrays will hold once
+        :meth:`produce` loads them, told by its file's headers before it is read (a
+        ``memory_budget`` admits them first), or None where nothing tells it. A source whose
+        shards another program writes makes the shard first (``cache_hit``, ``seconds``: as
+        :meth:`ensure_file` says), holding no lock on return."""
         return None
 
     def unknown_size_reason(self) -> str:
@@ -266,6 +274,17 @@ class CachingSource(Source):
                         "str)")
         return keys, finite
 
+    def raw_bytes(self, key: Any, epoch: int) -> tuple[int, bool, float] | None:
+        """The shard made in the cache by another program (:attr:`generates_apart`), then its
+        headers read; None for a function's shards (made in this process), a memory-mapped
+        one (the file's pages) or a cache this process cannot read as a local file."""
+        if self._cache is None or not self.generates_apart or self._mmap:
+            return None
+        self._check_open()
+        path, hit, seconds = self.ensure_file(key, epoch)
+        nbytes = header_bytes(path)
+        return None if nbytes is None else (nbytes, hit, seconds)
+
     def num_samples(self, key: Any, epoch: int) -> int | None:
         if self._cache is None:
             return None
@@ -343,6 +362,17 @@ class CachingSource(Source):
                          "that cannot see this reader (an fsspec cache_dir shared by several "
                          "processes: give it a cache_limit above the shards they read at once)",
                          key=key)
+
+
+def header_bytes(path: str) -> int | None:
+    """Bytes the arrays of a local shard file hold, from its headers (None: not a local file,
+    gone, or unreadable: loading it says what is wrong)."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        return sum(int(info.nbytes) for info in inspect_shard(path))
+    except (OSError, CorruptShard, UnsafeShard):
+        return None
 
 
 def _recipe_digest(recipe: Mapping[str, Any] | None) -> str | None:
