@@ -20,7 +20,6 @@ import concurrent.futures as cf
 import contextlib
 import itertools
 import logging
-import mmap
 import weakref
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -42,9 +41,9 @@ from ._pipeline.producers import ProducerPool, Throttle
 from ._pipeline.remainder import Remainder
 from ._pipeline.run import EpochRun, RunState
 from ._pipeline.shard import Owned, Prepare, Shard
-from ._pipeline.admission import Admission, GiveWay, MemoryGate
+from ._pipeline.admission import Admission, MemoryGate
 from ._pipeline.offsets import Deferred
-from ._utils.validate import format_bytes
+from ._pipeline.reservations import ShardReservations, copy_bytes
 from ._pipeline.tuning import DEFAULT_PREFETCH, Limits, Tunable, Tuner, start_knobs
 from .records import ShardRecord
 from .stats import Stats
@@ -636,8 +635,11 @@ class ShardStream(Closing):
         try:
             if run is not None and run.cancelled:
                 raise LoaderClosed("epoch pass cancelled")
-            shard = self._admitted(key, epoch, index, run, prepare, whole, before,
-                                   _Reserver(self, run, adm))
+            # a producer's place is held only in a pass (produce_now runs in the caller's thread)
+            gate = ShardReservations(
+                adm, lambda: self.closed or (run is not None and run.cancelled),
+                self._res.throttle.released if run is not None else None)
+            shard = self._admitted(key, epoch, index, run, prepare, whole, before, gate)
         except Deferred as exc:
             if adm is not None:
                 adm.release()
@@ -659,7 +661,7 @@ class ShardStream(Closing):
 
     def _admitted(self, key: Any, epoch: int, index: int, run: "EpochRun | None",
                   prepare: Prepare | None, whole: bool, before: int | None,
-                  gate: "_Reserver") -> Shard:
+                  gate: ShardReservations) -> Shard:
         lane = self._res.throttle.lane()
         clock = self.stats.clock
         t0 = clock()
@@ -690,7 +692,7 @@ class ShardStream(Closing):
             del arg, value  # the transform's output is held by ``arrays`` alone
             gate.made("transformed", arrays)
         full_size = len(arrays[0])
-        nbytes = _nbytes(arrays)
+        nbytes = sum(int(getattr(a, "nbytes", 0)) for a in arrays)
         if run is not None and run.offsets is not None:  # deal='balanced'
             before = self._rows_before(run, index, full_size)
         order = None if whole else self.row_order(key, epoch, full_size, index, before)
@@ -700,7 +702,7 @@ class ShardStream(Closing):
         source_nbytes = gate.source_bytes()
         copies = prepare is not None or order is not None
         if copies:  # its exact bytes, before the copy is made
-            gate.reserve("copy", _copy_bytes(arrays, order))
+            gate.reserve("copy", copy_bytes(arrays, order))
         if prepare is not None:  # it applies the order while copying (no extra copy)
             what = f"shard {key!r} (file {raw.path!r}, epoch {epoch})"
             # the raw shard's let go; arrays the loader owns are handed over as Owned: their
@@ -753,102 +755,3 @@ def _close_all(res: ProducerPool, gate: MemoryGate | None) -> None:
     if gate is not None:  # producers waiting for memory wake and stop
         gate.close()
     res.close()
-
-
-def _nbytes(arrays: Sequence[Any]) -> int:
-    return sum(int(getattr(a, "nbytes", 0)) for a in arrays)
-
-
-def _memory_of(arrays: Sequence[Any], counted: set[int]) -> int:
-    """Bytes of memory ``arrays`` hold, each block once: a view counts the array that owns its
-    memory, unless ``counted`` holds it already (a transform's windows over the raw arrays
-    cost nothing more); memory-mapped files hold no memory of this process. Adds to
-    ``counted``."""
-    total = 0
-    for a in arrays:
-        root = a  # down the views (as_strided's too, through numpy's DummyArray) to the owner
-        while (base := getattr(root, "base", None)) is not None \
-                and not isinstance(base, (mmap.mmap, bytes, bytearray, memoryview)):
-            root = base
-        if id(root) in counted:
-            continue
-        counted.add(id(root))
-        if isinstance(getattr(root, "base", None), mmap.mmap):
-            continue
-        total += int(getattr(root, "nbytes", 0))
-    return total
-
-
-def _copy_bytes(arrays: Sequence[Any], order: np.ndarray | None) -> int:
-    """Bytes of a copy of ``arrays``'s rows in ``order`` (all of them without)."""
-    total = 0
-    for a in arrays:
-        rows = len(a)
-        total += (int(getattr(a, "nbytes", 0)) // rows if rows else 0) * (
-            rows if order is None else len(order))
-    return total
-
-
-class _Reserver:
-    """A producer's reservations for one shard (nothing without a ``memory_budget``): it waits
-    for room with its producer's place given up, and stops when the pass or stream ends."""
-
-    def __init__(self, stream: ShardStream, run: "EpochRun | None",
-                 adm: Admission | None) -> None:
-        self.stream, self.run, self.adm = stream, run, adm
-        self._counted: set[int] = set()  # memory blocks counted already (raw, then transformed)
-
-    def _closed(self) -> bool:
-        return self.stream.closed or (self.run is not None and self.run.cancelled)
-
-    def reserve(self, part: str, nbytes: int | None = None) -> None:
-        """Hold ``nbytes`` for ``part`` (None: not known yet, the largest seen, or the raw
-        arrays' for the first transform's output)."""
-        adm = self.adm
-        if adm is None:
-            return
-        exact = nbytes is not None
-        if nbytes is None:
-            nbytes = adm.gate.largest[part] or (adm.held["raw"] if part == "transformed" else 0)
-        # a producer's place is held only in a pass (produce_now runs in the caller's thread)
-        try:
-            adm.reserve(part, nbytes, self._closed,
-                        self.stream._res.throttle.released if self.run is not None else None,
-                        exact)
-        except GiveWay as exc:
-            logger.info("%s: made again when the loop reaches it", exc)
-            raise Deferred(f"{exc}: made again when the loop reaches it") from None
-
-    def made(self, part: str, arrays: Sequence[Any]) -> None:
-        """``part`` is made: the memory its arrays hold (a transform's views of the raw
-        arrays add nothing) is counted at once.
-
-        Raises:
-            Deferred: It grew beyond its reservation and leaves too little room for the
-                shards the loop needs first: freed, it is made again when the loop reaches it.
-        """
-        adm = self.adm
-        if adm is None:
-            return
-        nbytes = _memory_of(arrays, self._counted)
-        if not adm.made(part, nbytes):
-            logger.info("%s: its %s arrays (%s) grew beyond the room left within "
-                        "memory_budget for the shards before it: made again when the loop "
-                        "reaches it", adm.what, part, format_bytes(nbytes))
-            raise Deferred(f"{adm.what} deferred: its {part} arrays ({format_bytes(nbytes)}) "
-                           "leave too little room within memory_budget for the shards before "
-                           "it")
-
-    def source_bytes(self) -> int:
-        """The raw and transformed arrays' bytes: alive beside the copy while it is made."""
-        return 0 if self.adm is None else self.adm.held["raw"] + self.adm.held["transformed"]
-
-    def copied(self, copied: bool) -> None:
-        """The shard is prepared: a copy frees its source; else (no copy, or a form that keeps
-        the source arrays: a shuffle window's shards) its arrays are what it holds."""
-        if self.adm is None:
-            return
-        if copied:
-            self.adm.drop("raw", "transformed")
-        else:
-            self.adm.drop("copy")
