@@ -128,3 +128,24 @@ def test_memory_of_views_counts_the_owner_once():
     assert _memory_of((raw,), counted) == raw.nbytes
     assert _memory_of(make_windows(raw), counted) == 0
     assert _memory_of((raw[::2].copy(),), counted) == raw.nbytes // 2
+
+
+def test_the_shard_the_loop_needs_is_admitted_even_when_only_its_own_progress_frees_room(
+        monkeypatch, caplog):
+    """Shards grew beyond every size seen, and the memory held belongs to the shard trained on
+    (freed only once the loop has the next one): the shard ranked first waits for nothing to
+    be given back for PATIENCE_S, then is admitted over the budget with a WARNING, rather
+    than deadlock the loop."""
+    from gluon_stream._pipeline import admission
+    monkeypatch.setattr(admission, "PATIENCE_S", 0.3)
+    gate = MemoryGate(30 * MB)
+    trained = gate.open((0, 0), "shard 0 (epoch 0)", False)
+    trained.made("copy", 20 * MB)
+    trained.handed()
+    needed = gate.open((0, 1), "shard 1 (epoch 0)", False)
+    assert needed.made("raw", 8 * MB)
+    with caplog.at_level("WARNING", logger="gluon_stream._pipeline.admission"):
+        needed.reserve("copy", 8 * MB, never, exact=True)
+    assert gate.over == 1 and gate.used == 36 * MB
+    assert "shard 1 (epoch 0) is admitted over the budget" in caplog.text
+    assert "shard 0 (epoch 0) (handed out): copy 20.0 MiB" in caplog.text
