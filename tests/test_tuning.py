@@ -762,3 +762,15 @@ def test_a_program_shards_raw_bytes_are_admitted_from_its_header_before_it_is_re
     assert len(at_load) >= 3
     for nbytes, held in at_load:
         assert nbytes in held, (nbytes, held)  # reserved before the read, exactly
+
+
+@pytest.mark.mxnet
+@pytest.mark.parametrize("on_error", ["skip", ("retry", 2)])
+def test_a_shard_the_budget_can_never_hold_is_refused_whatever_the_error_policy(on_error):
+    """The gate refuses a shard whose parts exceed the whole budget in the producer, before
+    its copy: a setting to fix, raised whatever on_error says (not skipped, not retried)."""
+    loader = gs.StreamLoader(slow_source([7, 8], rows=10_000), batch_size=10,
+                             memory_budget=100_000, on_error=on_error)
+    with pytest.raises(gs.MemoryBudgetTooSmall, match=r"shard 7 \(epoch 0\) needs"):
+        list(loader)
+    loader.close()

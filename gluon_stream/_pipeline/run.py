@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
 
 from .._utils.closing import WAIT_SLICE_S
 from .._utils.retry import ErrorPolicy, is_permanent
-from ..errors import InvalidState, LoaderClosed, add_note
+from ..errors import InvalidState, LoaderClosed, MemoryBudgetTooSmall, add_note
 from ..records import ShardRecord
 from .offsets import Deferred, RowOffsets
 from .shard import Prepare, Shard
@@ -431,6 +431,8 @@ class EpochRun:
                 shard = self._result(fut, key)
                 stream.check_schema(shard)
             except (LoaderClosed, KeyboardInterrupt, cf.CancelledError):
+                raise
+            except MemoryBudgetTooSmall:  # the settings' fault, not the shard's: never skipped
                 raise
             except InvalidState:  # a resumed state does not fit the shard: never skipped
                 raise
