@@ -40,7 +40,10 @@ from ._pipeline.keys import KeyTape, part_endless, part_keys
 from ._pipeline.producers import ProducerPool, Throttle
 from ._pipeline.remainder import Remainder
 from ._pipeline.run import EpochRun, RunState
-from ._pipeline.shard import Prepare, Shard
+from ._pipeline.shard import Owned, Prepare, Shard
+from ._pipeline.admission import Admission, MemoryGate
+from ._pipeline.offsets import Deferred
+from ._pipeline.reservations import ShardReservations, copy_bytes
 from ._pipeline.tuning import DEFAULT_PREFETCH, Limits, Tunable, Tuner, start_knobs
 from .records import ShardRecord
 from .stats import Stats
@@ -114,11 +117,13 @@ class ShardStream(Closing):
             are not evicted before they are read).
         memory_budget: Bytes (or a string with a unit: ``"4GiB"``, ``"512MB"``) the stream may
             hold for data: shards produced or loading ahead, the copies producers make, and what
-            a loader keeps in flight. Within it ``prefetch`` and ``producers`` (unless given)
-            are tuned live from what is measured, each change logged at INFO with its reason
-            and kept in :attr:`Stats.tuning`; a budget that cannot hold the shard in use plus
-            one more raises :class:`~gluon_stream.MemoryBudgetTooSmall` (see
-            :mod:`gluon_stream._pipeline.tuning` and the performance guide).
+            a loader keeps in flight. Each shard's raw arrays, transform output and copy are
+            admitted against it before they are allocated (:attr:`gate`, see
+            :mod:`gluon_stream._pipeline.admission`). Within it ``prefetch`` and ``producers``
+            (unless given) are tuned live from what is measured, each change logged at INFO
+            with its reason and kept in :attr:`Stats.tuning`; a budget that cannot hold the
+            least settings raises :class:`~gluon_stream.MemoryBudgetTooSmall` naming what it
+            counts (see :mod:`gluon_stream._pipeline.tuning` and the memory-budget guide).
 
     Example:
         >>> from gluon_stream import FunctionSource
@@ -206,12 +211,16 @@ class ShardStream(Closing):
                            else _validate.integer("num_epochs", num_epochs, minimum=1))
         self._res = ProducerPool(source, throttle)
         self.memory_budget = budget
+        #: memory admitted before it is allocated, within the budget (None: no budget)
+        self.gate = None if budget is None else MemoryGate(budget)
         target: Tunable = self
         self.tuner = None if budget is None else Tuner(
             target, Limits(budget, throttle.bound, fixed_prefetch=fixed_prefetch,
                            fixed_producers=not self.auto_producers),
             lambda: self.stats.clock() - self.stats.origin, self.stats.add_tuning)
-        self._finalizer = weakref.finalize(self, self._res.close)
+        if self.tuner is not None and self.gate is not None:
+            self.tuner.on_rows = self.gate.set_outside
+        self._finalizer = weakref.finalize(self, _close_all, self._res, self.gate)
         track(self, self._finalizer)
 
     def _auto_generate_ahead(self, prefetch: int) -> int:
@@ -537,8 +546,21 @@ class ShardStream(Closing):
     def submit_shard(self, key: Any, epoch: int, index: int, run: EpochRun,
                      prepare: Prepare | None) -> cf.Future:
         """Produce shard ``key`` at position ``index`` of ``epoch`` for ``run`` in a producer
-        thread: a future of the :class:`Shard`."""
-        return self._res.executor.submit(self._produce, key, epoch, index, run, prepare)
+        thread: a future of the :class:`Shard`. With a ``memory_budget`` its admission opens
+        here, in the order the loop needs the shards (a producer that starts a later shard
+        first leaves room for the earlier ones)."""
+        adm = self._open_admission(key, epoch, index)
+        fut = self._res.executor.submit(self._produce, key, epoch, index, run, prepare, adm)
+        if adm is not None:  # never run, or failed: nothing is held
+            fut.add_done_callback(lambda f: adm.release() if f.cancelled() or f.exception()
+                                  is not None else None)
+        return fut
+
+    def _open_admission(self, key: Any, epoch: int, index: int) -> Admission | None:
+        if self.gate is None:
+            return None
+        return self.gate.open((epoch, index), f"shard {key!r} (epoch {epoch})",
+                              self.transform is not None)
 
     def submit_generation(self, key: Any, epoch: int, index: int, run: EpochRun) -> cf.Future:
         """Generate shard ``key`` of ``epoch`` (at position ``index`` of ``run``'s pass) into
@@ -547,15 +569,15 @@ class ShardStream(Closing):
         return self._res.executor.submit(self._generate, key, epoch, index, run)
 
     def _produce(self, key: Any, epoch: int, index: int, run: "EpochRun | None",
-                 prepare: Prepare | None) -> Shard:
+                 prepare: Prepare | None, adm: Admission | None = None) -> Shard:
         """Runs in a producer thread: generate/load, transform, shuffle, prepare."""
         if run is not None and run.cancelled:
             raise LoaderClosed("epoch pass cancelled")
         if run is None:  # produce_now: in the caller's thread, outside the producers' count
-            return self._make(key, epoch, index, run, prepare)
+            return self._make(key, epoch, index, run, prepare, adm=adm)
         try:  # made ahead into the cache: only loading is left once its generation is done
             with self._placed(run, index) as generated_s:
-                shard = self._make(key, epoch, index, run, prepare)
+                shard = self._make(key, epoch, index, run, prepare, adm=adm)
         except BaseException:
             if run.offsets is not None:  # the shards after it stop waiting for its size
                 run.offsets.failed(index)
@@ -603,18 +625,62 @@ class ShardStream(Closing):
             self._res.throttle.give()
 
     def _make(self, key: Any, epoch: int, index: int, run: "EpochRun | None",
-              prepare: Prepare | None, whole: bool = False, before: int | None = None) -> Shard:
-        if run is not None and run.cancelled:
-            raise LoaderClosed("epoch pass cancelled")
+              prepare: Prepare | None, whole: bool = False, before: int | None = None,
+              adm: Admission | None = None) -> Shard:
+        """Make one shard, its memory admitted against ``memory_budget`` part by part before
+        it is allocated (:mod:`gluon_stream._pipeline.admission`; ``adm``: opened when the
+        shard was submitted): the admission is held until the shard is freed."""
+        if adm is None:
+            adm = self._open_admission(key, epoch, index)
+        try:
+            if run is not None and run.cancelled:
+                raise LoaderClosed("epoch pass cancelled")
+            # a producer's place is held only in a pass (produce_now runs in the caller's thread)
+            gate = ShardReservations(
+                adm, lambda: self.closed or (run is not None and run.cancelled),
+                self._res.throttle.released if run is not None else None)
+            shard = self._admitted(key, epoch, index, run, prepare, whole, before, gate)
+        except Deferred as exc:
+            if adm is not None:
+                adm.release()
+            # without the frames that made the shard (nor those of the exception it came from):
+            # the future keeps the exception until the loop reaches the shard, and they would
+            # keep its arrays alive
+            exc.__context__ = exc.__cause__ = None
+            raise exc.with_traceback(None) from None
+        except BaseException:
+            if adm is not None:
+                adm.release()
+            raise
+        if adm is not None:
+            shard.admission = adm
+            # given back when the memory is: the prepared arrays' owner (shared memory lives
+            # while workers hold it), else the shard
+            weakref.finalize(getattr(shard.arrays, "memory_owner", shard), adm.release)
+        return shard
+
+    def _admitted(self, key: Any, epoch: int, index: int, run: "EpochRun | None",
+                  prepare: Prepare | None, whole: bool, before: int | None,
+                  gate: ShardReservations) -> Shard:
         lane = self._res.throttle.lane()
         clock = self.stats.clock
         t0 = clock()
         made = self.made_epoch(epoch, index)
+        # exact from a file's headers where the source can tell (a program's shard, made
+        # first), else the largest raw shard seen
+        peek = self.source.raw_bytes(key, made) \
+            if gate.adm is not None and self._remote is None else None
+        gate.reserve("raw", None if peek is None else peek[0])
         raw: RawShard = (self.source.produce(key, made) if self._remote is None
                          else self.source.produce(key, made, executor=self._remote))
+        if peek is not None:  # it was made (or found) by the peek
+            raw.cache_hit, raw.generate_s = peek[1], raw.generate_s + peek[2]
+        gate.made("raw", raw.arrays)
         t1 = clock()
         arrays = raw.arrays
+        owned = raw.owned and self.transform is None  # a transform's output is user code's
         if self.transform is not None:
+            gate.reserve("transformed")  # the largest seen (the raw shard's size at first)
             arg = arrays[0] if len(arrays) == 1 else arrays
             try:
                 value = self.transform(arg)
@@ -624,6 +690,7 @@ class ShardStream(Closing):
                 raise
             arrays = normalize_arrays(value, what=f"transform output of shard {key!r}")
             del arg, value  # the transform's output is held by ``arrays`` alone
+            gate.made("transformed", arrays)
         full_size = len(arrays[0])
         nbytes = sum(int(getattr(a, "nbytes", 0)) for a in arrays)
         if run is not None and run.offsets is not None:  # deal='balanced'
@@ -632,16 +699,23 @@ class ShardStream(Closing):
         if run is not None and run.cancelled:
             raise LoaderClosed("epoch pass cancelled")
         names = names_of(arrays)
+        source_nbytes = gate.source_bytes()
+        copies = prepare is not None or order is not None
+        if copies:  # its exact bytes, before the copy is made
+            gate.reserve("copy", copy_bytes(arrays, order))
         if prepare is not None:  # it applies the order while copying (no extra copy)
             what = f"shard {key!r} (file {raw.path!r}, epoch {epoch})"
-            # a tuple of our own, and the raw shard's let go: an array no one else holds may
-            # be consumed by its copy (see gluon_stream._mx.consumed)
-            arrays, raw.arrays = tuple(list(arrays)), ()
+            # the raw shard's let go; arrays the loader owns are handed over as Owned: their
+            # copy may give their memory back (see gluon_stream._mx.consumed)
+            arrays, raw.arrays = (Owned if owned else tuple)(list(arrays)), ()
             arrays = prepare(arrays, order, what)
         elif order is not None:
             arrays = tuple(a[order] for a in arrays)  # not np.take: it copies a strided input
+        # a form that keeps the source arrays (``raw``: a shuffle window's shards) copied none
+        gate.copied(copies and getattr(arrays, "raw", None) is None)
         shard = Shard(key, epoch, index, arrays, names=names, full_size=full_size,
-                      rows=int(arrays[0].shape[0]), schema=schema_of(arrays))
+                      rows=int(arrays[0].shape[0]), schema=schema_of(arrays),
+                      source_nbytes=source_nbytes)
         t2 = clock()
         gen_end = t0 + raw.generate_s
         load_end = gen_end + raw.load_s
@@ -675,3 +749,9 @@ class ShardStream(Closing):
     def close(self) -> None:
         """Stop producers, kill running generators and release everything; idempotent."""
         self._finalizer()
+
+
+def _close_all(res: ProducerPool, gate: MemoryGate | None) -> None:
+    if gate is not None:  # producers waiting for memory wake and stop
+        gate.close()
+    res.close()

@@ -140,6 +140,7 @@ NOT_FAST = {
         "test_the_bench_compares_the_budget_with_a_grid_and_a_tight_budget",
         "test_tuned_loaders_resumed_anywhere_match_the_reference_model",
         "test_the_budget_holds_on_shards_of_known_size",
+        "test_the_budget_holds_in_every_shape_in_a_fresh_process",
     ),
     "test_types.py": (
         "test_mypy_finds_nothing_in_the_package",

@@ -157,5 +157,15 @@ def test_an_endless_iterator_whose_keys_dealt_here_are_all_empty_is_an_error_not
         ids = [i for b in loader(rank) for i in batch_ids(b)]
         assert len(ids) == 8 and all((i // 100) % 4 == rank for i in ids)
     with pytest.raises(gs.StreamError, match=rf"part 3 of 4: {EMPTY_SHARDS} shards in a row "
-                       r"\(keys 3 \.\. 255 of an endless key iterator"):
+                       r"\(keys 3 \.\. 255 of an endless key iterator") as raised:
         list(loader(3))
+    assert "every 4th key to this one" in str(raised.value)
+
+
+def test_every_nth_in_messages_is_a_proper_ordinal():
+    """Issue 35: messages said 'every 2th'."""
+    from gluon_stream._utils.validate import every_nth, ordinal
+    assert [ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 23, 101, 112)] == [
+        "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "23rd", "101st",
+        "112th"]
+    assert every_nth(2, "key") == "every 2nd key" and every_nth(1, "date") == "every date"

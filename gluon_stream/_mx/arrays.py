@@ -49,8 +49,8 @@ def to_ndarray(array: np.ndarray, ctx: Any, order: np.ndarray | None = None,
     """Copy a numpy array (its rows in ``order``, if given: a permutation, or a subset) into a
     new NDArray of its dtype.
 
-    ``consume``: the caller drops ``array`` next and nothing else holds it
-    (:func:`~gluon_stream._mx.consumed.held_alone`): its memory is given back to the OS as its
+    ``consume``: the loader owns ``array`` and drops it next
+    (:func:`~gluon_stream._mx.consumed.consumable`): its memory is given back to the OS as its
     rows are copied (:mod:`~gluon_stream._mx.consumed`), so the shard and its copy do not
     both exist whole.
 

@@ -1,16 +1,17 @@
 """A shard copied into its NDArray while its own memory is given back, page by page.
 
 While a producer copies a shard into its NDArray, the shard's source array and its copy both
-exist: the one moment a shard costs twice its size, and what a loader's memory bound counts.
-When nothing else holds the source array (a ``FunctionSource`` function's fresh result, a
-shard read from a file), the copy walks it in its own row order, writes each chunk of rows to
+exist: the one moment a shard costs twice its size. When the loader owns the source array
+(it read the shard from a file itself, or a ``FunctionSource(fresh_arrays=True)`` handed its
+function's result over), the copy walks it in its own row order, writes each chunk of rows to
 their places in the NDArray, and hands the chunk's pages back to the OS
 (``madvise(MADV_DONTNEED)``) once they are read. The source shrinks as its copy grows.
 
-Whether nothing else holds an array is told as numpy's ``ndarray.resize`` tells it: the array
-owns its memory, is writable, and its reference count is the container's own. Python 3.14 may
-count fewer references than are held (borrowed references), so from 3.14 on nothing is
-consumed. Without ``madvise`` (not Linux), the copy is made as usual.
+Who owns an array is never inferred here (a reference count does not see weak references, nor
+memory a C extension keeps): the stream says it, as data, where the arrays are made
+(:class:`~gluon_stream._pipeline.shard.Owned`). :func:`consumable` only checks that an owned
+array can be given back page by page. Without ``madvise`` (not Linux), the copy is made as
+usual.
 """
 from __future__ import annotations
 
@@ -18,13 +19,12 @@ import ctypes
 import logging
 import mmap
 import os
-import sys
 
 import numpy as np
 
 from .._utils.libc import libc
 
-__all__ = ["CONSUME_MIN_BYTES", "consume_into", "held_alone", "held_alone_each"]
+__all__ = ["CONSUME_MIN_BYTES", "consumable", "consume_into"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,33 +32,22 @@ CONSUME_MIN_BYTES = 4 << 20  # smaller arrays are copied as usual: little to giv
 _CHUNK_BYTES = 1 << 20
 _DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
 _PAGE = mmap.PAGESIZE
-_EXACT_REFCOUNTS = sys.version_info < (3, 14)
 
 
-def held_alone(arrays: tuple, index: int) -> bool:
-    """Whether ``arrays[index]`` is a numpy array, large enough to be worth consuming, that owns
-    its writable, contiguous memory and that only the tuple ``arrays`` refers to (the caller
-    owns the tuple). Call it in a statement of its own: a reference pending on the caller's
-    stack (an argument being built) counts as another holder."""
-    array = arrays[index]
-    if not (_EXACT_REFCOUNTS and _DONTNEED is not None and os.name == "posix"
-            and type(array) is np.ndarray and array.flags.owndata and array.flags.writeable
-            and array.flags.c_contiguous and array.nbytes >= CONSUME_MIN_BYTES):
-        return False
-    # the tuple, the local name ``array``, and getrefcount's own argument
-    return sys.getrefcount(array) == 3
-
-
-def held_alone_each(arrays: tuple) -> list[bool]:
-    """:func:`held_alone` for every array of a tuple the caller owns."""
-    return [held_alone(arrays, i) for i in range(len(arrays))]
+def consumable(array: object) -> bool:
+    """Whether an array the loader owns can be consumed by its copy: a numpy array that owns
+    its writable, C-contiguous memory, large enough to be worth it, on a system with
+    ``madvise``. Says nothing of who owns it: only call it for arrays the loader owns."""
+    return (_DONTNEED is not None and os.name == "posix" and type(array) is np.ndarray
+            and array.flags.owndata and array.flags.writeable and array.flags.c_contiguous
+            and array.nbytes >= CONSUME_MIN_BYTES)
 
 
 def consume_into(out: np.ndarray, array: np.ndarray, order: np.ndarray | None) -> bool:
     """Write row ``order[i]`` of ``array`` (row ``i`` without ``order``) to row ``i`` of
     ``out``, reading ``array`` in its own order and giving its pages back to the OS behind
-    the read. ``array`` is left zeroed where it was given back: only for an array
-    :func:`held_alone` said the caller may consume, and drops next.
+    the read. ``array`` is left zeroed where it was given back: only for an array the loader
+    owns (:func:`consumable`), and drops next.
 
     False, with nothing written, for an ``order`` that names a row twice (read in the array's
     order, a row goes to one place): the caller copies as usual."""

@@ -93,6 +93,12 @@ class SharedArrays(ShapedArrays):
     def fd(self) -> int:
         return self._file.fd
 
+    @property
+    def memory_owner(self) -> object:
+        """An object whose end frees this memory (every copy of these arrays shares it): a
+        ``memory_budget`` counts the memory until it ends, however long workers keep it."""
+        return self._file
+
     @classmethod
     def copy_of(cls, arrays: Sequence[np.ndarray], order: np.ndarray | None = None,
                 consume: Sequence[bool] = ()) -> "SharedArrays":

@@ -23,13 +23,14 @@ import numpy as np
 
 from .._mx import arrays as mx_arrays
 from .._mx import shm as mx_shm
-from .._mx.consumed import held_alone_each
+from .._mx.consumed import consumable
 from .batching import Batch, Segment, UnitPlan
 from .feed import Carry, MixedData, UnitFeed
 from .._utils.batchable import check_batchable
 from .._utils.columns import ShapedArrays
 from .contracts import Workers
 from ..stream import Prepare
+from .shard import owned_each
 
 __all__ = ["Ordered", "SamplePath", "SlicePath"]
 
@@ -80,9 +81,9 @@ class SlicePath:
         check_batchable(arrays, what=what)
         if not len(arrays[0]):
             return arrays
-        alone = held_alone_each(arrays)  # the stream hands over a tuple of its own
+        consume = _consumed(arrays)
         with self._copying:
-            return tuple(mx_arrays.to_ndarray(arrays[i], self.ctx, order, consume=alone[i])
+            return tuple(mx_arrays.to_ndarray(arrays[i], self.ctx, order, consume=consume[i])
                          for i in range(len(arrays)))
 
     @staticmethod
@@ -186,8 +187,8 @@ class SamplePath:
     @staticmethod
     def _to_shared(arrays: tuple, order: np.ndarray | None, what: str) -> tuple:
         """Producer-side: the shard's rows in ``order``, copied into shared memory once (an
-        array only the stream's tuple holds is consumed by its copy)."""
-        return mx_shm.SharedArrays.copy_of(arrays, order, consume=held_alone_each(arrays))
+        array the loader owns is consumed by its copy)."""
+        return mx_shm.SharedArrays.copy_of(arrays, order, consume=_consumed(arrays))
 
     def mix(self, mixed: MixedData) -> MixedData:
         """A mixed unit needs no copy here: its batches name each sample's shard and row."""
@@ -381,3 +382,9 @@ def _join(parts: list) -> tuple:
 
 def _as_batch(arrays: tuple) -> Any:
     return arrays[0] if len(arrays) == 1 else list(arrays)
+
+
+def _consumed(arrays: tuple) -> list[bool]:
+    """Which of a shard's arrays its copy gives back as it goes: those the loader owns
+    (the stream says so: :class:`~gluon_stream._pipeline.shard.Owned`), where they can be."""
+    return [owned and consumable(a) for owned, a in zip(owned_each(arrays), arrays)]

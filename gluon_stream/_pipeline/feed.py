@@ -20,6 +20,7 @@ import numpy as np
 
 from .batching import Batch, BatchPlanner, MixedUnit, Position, Segment, UnitPlan, WindowMixer
 from ..errors import LoaderClosed, StreamError
+from .._utils.validate import every_nth
 from ..records import EpochRecord
 from ..stream import EpochRun, Shard
 
@@ -216,8 +217,9 @@ class UnitFeed:
         if len(self._empty) < EMPTY_SHARDS:
             return
         stream = self.run.stream
-        dealt = (f"; the iterator's keys are dealt to {stream.num_parts} ranks, every "
-                 f"{stream.num_parts}th to this one: are the keys dealt here always empty "
+        dealt = (f"; the iterator's keys are dealt to {stream.num_parts} ranks, "
+                 f"{every_nth(stream.num_parts, 'key')} to this one: are the keys dealt here "
+                 "always empty "
                  "(dates of one weekday)? Leave them out of the iterator"
                  if stream.num_parts > 1 else "")
         raise StreamError(

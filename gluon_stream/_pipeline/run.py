@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
 
 from .._utils.closing import WAIT_SLICE_S
 from .._utils.retry import ErrorPolicy, is_permanent
-from ..errors import InvalidState, LoaderClosed, add_note
+from ..errors import InvalidState, LoaderClosed, MemoryBudgetTooSmall, add_note
 from ..records import ShardRecord
 from .offsets import Deferred, RowOffsets
 from .shard import Prepare, Shard
@@ -432,6 +432,8 @@ class EpochRun:
                 stream.check_schema(shard)
             except (LoaderClosed, KeyboardInterrupt, cf.CancelledError):
                 raise
+            except MemoryBudgetTooSmall:  # the settings' fault, not the shard's: never skipped
+                raise
             except InvalidState:  # a resumed state does not fit the shard: never skipped
                 raise
             except Deferred:  # it waited for a shard before it that failed, and is made again
@@ -460,10 +462,12 @@ class EpochRun:
             record = shard.record
             assert record is not None  # _make records every shard it makes
             stream.stats.add_shard(record)
+            if shard.admission is not None:  # the loop has it: shards after it rank first
+                shard.admission.handed()
             if stream.tuner is not None:  # may refuse the shard: before any batch of it
                 stream.tuner.shard_ready(key, record.nbytes, record.samples, self.last_wait_s,
                                          record.generate_s + record.load_s + record.transform_s,
-                                         self.epoch)
+                                         self.epoch, shard.source_nbytes)
                 self._fill(stream.prefetch)  # a prefetch just raised fills the window now
             stream.sizes.remember(key, stream.made_epoch(self.epoch, index), shard.full_size)
             expected = stream.sizes.shard_size(key, self.epoch, index=index,

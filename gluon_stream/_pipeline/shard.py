@@ -13,13 +13,33 @@ import numpy as np
 from .._mx import import_mxnet
 from ..records import ShardRecord
 
-__all__ = ["Prepare", "Shard"]
+__all__ = ["Owned", "Prepare", "Shard", "owned_each"]
 
 #: ``prepare(arrays, order, what) -> arrays``: run in the producer thread after the transform,
 #: it returns the shard's arrays in ``order`` (a permutation or a subset of the rows, or None)
 #: in whatever form the consumer wants them (NDArrays, shared memory, ...); ``what`` names the
-#: shard (key, file, epoch) for its error messages.
+#: shard (key, file, epoch) for its error messages. ``arrays`` is an :class:`Owned` tuple when
+#: the loader owns them: ``prepare`` may then free or reuse their memory (nothing else holds
+#: them); any other tuple's arrays belong to user code and must be left as they are.
 Prepare = Callable[[tuple, "np.ndarray | None", str], tuple]
+
+
+class Owned(tuple):
+    """A shard's arrays that the loader owns, handed to ``prepare`` (a plain tuple otherwise).
+
+    Ownership is carried as data from where the arrays are made: the loader read them from a
+    file itself (a cache, a ``FileSource`` file, a ``CommandSource``'s output; not
+    memory-mapped), or a ``FunctionSource(fresh_arrays=True)`` handed its function's result
+    over, and no ``transform`` ran (a transform's output is user code's). Nothing infers it
+    later: reference counts do not see weak references."""
+
+    __slots__ = ()
+
+
+def owned_each(arrays: tuple) -> list[bool]:
+    """For each array of ``arrays``, whether the loader owns it (the whole tuple is
+    :class:`Owned`, or none of it is)."""
+    return [isinstance(arrays, Owned)] * len(arrays)
 
 
 @dataclass
@@ -38,6 +58,11 @@ class Shard:
     #: may wait for it behind a busy producer, a few hundred us at a shard boundary
     rows: int = -1
     schema: list | None = field(repr=False, default=None)
+    #: bytes of its raw and transformed arrays, alive beside its copy while it was made
+    source_nbytes: int = 0
+    #: its memory admitted against ``memory_budget`` (a ``_pipeline.admission.Admission``),
+    #: given back when the shard is freed; None without a budget
+    admission: Any = field(repr=False, default=None)
 
     def __len__(self) -> int:
         return self.rows if self.rows >= 0 else int(self.arrays[0].shape[0])

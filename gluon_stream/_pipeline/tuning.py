@@ -1,7 +1,8 @@
 """Tuning within a memory budget: how many shards to produce ahead and at once, decided live.
 
-``memory_budget=`` bounds what a stream holds for data. :func:`footprint` says what a setting
-costs, :func:`decide` (pure: measurements and the budget in, a setting and its reason out, no
+``memory_budget=`` bounds what a stream holds for data: as a hard limit where memory is made
+(:mod:`.admission`: every shard's parts admitted before they are allocated), and here, softly,
+in the settings chosen within it. :func:`footprint` says what a setting costs, :func:`decide` (pure: measurements and the budget in, a setting and its reason out, no
 clock, no MXNet) what to run with next, and :class:`Tuner` owns the measurements of one stream,
 applies each decision to a :class:`Tunable` and records it.
 
@@ -10,14 +11,15 @@ What is counted, per shard of ``S`` bytes (the largest seen, after ``transform``
 * the shard the loop trains on, the one before it (the loop's last batch of it, a view, still
   holds it while the next begins), and the ``prefetch`` shards produced or loading ahead
   (``max(prefetch, shuffle_window)`` with a window, plus the window's gathered unit);
-* one more copy per producer at work (at most ``prefetch + 1`` work): while a shard is made,
-  its raw arrays and the copy the loader prepares of them (an NDArray, shared memory for the
-  workers) are both alive;
+* the source of each shard a producer is making (at most ``prefetch + 1`` work): while a
+  shard is made, its raw arrays, the transform's output (the largest of both seen together,
+  ``source_bytes``) and the copy the loader prepares of them (an NDArray, shared memory for
+  the workers) are all alive;
 * batches in flight: the loop's, and on the per-sample path the workers' slots
   (``rows_in_flight`` rows of the shard's bytes per sample).
 
-The least a loader can run with is ``prefetch=0`` and one producer: three shards (the one
-trained on, and the next one's arrays with the copy made of them). A budget below that, or a
+The least a loader can run with is ``prefetch=0`` and one producer: the shard trained on, and
+the next one's copy with its source beside it (three shards without a transform). A budget below that, or a
 shard larger than the budget, raises :class:`~gluon_stream.MemoryBudgetTooSmall`.
 
 The rule, at each shard handed out (from rule 4 on, once at least :data:`MIN_SHARDS` shards
@@ -107,6 +109,8 @@ class Measured:
         produce_s: Mean seconds to make a shard (generate, load, transform).
         epoch: The epoch of the last shard.
         worker_wait_s: Of ``wall_s``, seconds the loop waited for per-sample workers.
+        source_bytes: The largest raw and transformed arrays of a shard seen together, alive
+            beside its copy while a producer makes it (0: as ``shard_bytes``).
     """
 
     shard_bytes: int = 0
@@ -118,6 +122,7 @@ class Measured:
     produce_s: float = 0.0
     epoch: int = 0
     worker_wait_s: float = 0.0
+    source_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -162,17 +167,29 @@ def start_knobs(generates_apart: bool, cores: int) -> Knobs:
 def footprint(knobs: Knobs, m: Measured, limits: Limits) -> float:
     """Bytes a setting holds at most (see the module doc for what is counted)."""
     rows = limits.rows_in_flight + limits.rows_per_worker * knobs.workers
-    return shards_held(knobs, limits) * m.shard_bytes + rows * m.sample_bytes
+    source = max(m.source_bytes, m.shard_bytes)
+    return (shards_kept(knobs, limits) * m.shard_bytes + at_work(knobs) * source
+            + rows * m.sample_bytes)
+
+
+def shards_kept(knobs: Knobs, limits: Limits) -> int:
+    """Shards a setting keeps made at most: the last one trained on (the loop's last batch of
+    it still holds it while the next begins), the one trained on, and those ahead
+    (``max(prefetch, shuffle_window)`` with a window, and its gathered unit)."""
+    window = limits.window
+    ahead = max(knobs.prefetch, window) + 1 if window > 1 else knobs.prefetch  # and a unit
+    return ahead + 2
+
+
+def at_work(knobs: Knobs) -> int:
+    """Producers at work at once (at most ``prefetch + 1`` have a shard to make): each holds a
+    shard's raw (and transformed) arrays beside the copy it makes."""
+    return min(knobs.producers, knobs.prefetch + 1)
 
 
 def shards_held(knobs: Knobs, limits: Limits) -> int:
-    """Shards a setting holds at most: the last one trained on (the loop's last batch of it
-    still holds it while the next begins), the ``prefetch + 1`` in the window (the next one
-    and those ahead; ``max(prefetch, shuffle_window)`` with a window, and its gathered unit),
-    and a copy per producer at work (at most ``prefetch + 1`` of them work)."""
-    window = limits.window
-    ahead = max(knobs.prefetch, window) + 1 if window > 1 else knobs.prefetch  # and a unit
-    return ahead + 2 + min(knobs.producers, knobs.prefetch + 1)
+    """Shards' worth a setting holds at most, sources as large as their copies."""
+    return shards_kept(knobs, limits) + at_work(knobs)
 
 
 def minimum(knobs: Knobs, limits: Limits) -> Knobs:
@@ -194,13 +211,31 @@ def check_room(key: object, m: Measured, knobs: Knobs, limits: Limits) -> None:
     least = minimum(knobs, limits)
     need = footprint(least, m, limits)
     if need > limits.budget:
+        fix = ", or a smaller shuffle_window" if limits.window > 1 else ""
         raise MemoryBudgetTooSmall(
-            f"memory_budget={budget} cannot hold the shard being trained on plus one more "
-            f"being made ({shards_held(least, limits)} shards of {size}, as shard {key!r} is: "
-            f"the one trained on, the next one's arrays and the copy a producer makes of them, "
-            f"with prefetch={least.prefetch} and {least.producers} producer(s); "
-            f"{format_bytes(need)} with the batches in flight): raise memory_budget to at "
-            f"least {format_bytes(need)}, or make smaller shards")
+            f"memory_budget={budget} cannot hold what the least settings (prefetch="
+            f"{least.prefetch}, {least.producers} producer{'s' if least.producers > 1 else ''}) "
+            f"keep at once with shards of "
+            f"{size}, as shard {key!r} is: {_least_parts(least, m, limits)}; "
+            f"{format_bytes(need)} with the batches in flight. Raise memory_budget to at "
+            f"least {format_bytes(need)}, or make smaller shards{fix}")
+
+
+def _least_parts(knobs: Knobs, m: Measured, limits: Limits) -> str:
+    """What a setting holds, in words: :func:`shards_kept`'s shards, then the sources of the
+    shards being made (see :func:`footprint`)."""
+    parts = ["the one trained on", "the next one"]
+    if limits.window > 1:
+        parts.append(f"{max(knobs.prefetch, limits.window)} more for the shuffle window and "
+                     "1 for the unit gathered from them")
+    elif knobs.prefetch:
+        parts.append(f"{knobs.prefetch} more made ahead")
+    work = at_work(knobs)
+    made = "raw and transformed arrays" if m.source_bytes > m.shard_bytes else "raw arrays"
+    being = "the one being made" if work == 1 else f"each of the {work} being made"
+    source = format_bytes(max(m.source_bytes, m.shard_bytes))
+    return (f"{shards_kept(knobs, limits)} shards of {format_bytes(m.shard_bytes)} "
+            f"({', '.join(parts)}) and the {made} of {being} beside its copy ({source})")
 
 
 def _largest(knobs: Knobs, m: Measured, limits: Limits) -> Knobs:
@@ -379,9 +414,11 @@ class Tuner:
         self.record = record
         self.limited = False  # the budget stopped the last change short
         self.workers: TunableWorkers | None = None
+        #: told the bytes of batches in flight after each shard (the memory gate keeps them free)
+        self.on_rows: Callable[[int], None] | None = None
         self._worker_wait: Callable[[], float] = lambda: 0.0
         self._lock = threading.Lock()
-        self._shard_bytes, self._sample_bytes = 0, 0.0
+        self._shard_bytes, self._sample_bytes, self._source_bytes = 0, 0.0, 0
         self._epoch = 0  # of the last shard handed out
         self._reset(clock())
 
@@ -420,17 +457,20 @@ class Tuner:
                      self.workers.active if self.workers is not None else 0)
 
     def shard_ready(self, key: object, nbytes: int, samples: int, wait_s: float,
-                    produce_s: float, epoch: int) -> None:
-        """A shard is handed out: check the budget holds it, then maybe change the settings.
+                    produce_s: float, epoch: int, source_bytes: int = 0) -> None:
+        """A shard is handed out: check the budget holds it, then maybe change the settings
+        (``source_bytes``: its raw and transformed arrays, alive beside its copy while it was
+        made).
 
         Raises:
             MemoryBudgetTooSmall: The budget cannot hold shards of this size.
         """
         with self._lock:
-            grew = nbytes > self._shard_bytes
-            if grew:
+            grew = nbytes > self._shard_bytes or source_bytes > self._source_bytes
+            if nbytes > self._shard_bytes:
                 self._shard_bytes = nbytes
                 self._sample_bytes = nbytes / samples if samples else 0.0
+            self._source_bytes = max(self._source_bytes, source_bytes)
             self._shards += 1
             self._epoch = epoch
             self._wait_s += wait_s
@@ -438,15 +478,21 @@ class Tuner:
             now = self.clock()
             m = Measured(self._shard_bytes, self._sample_bytes, self._shards, now - self._since,
                          self._wait_s, self._busy, self._produce_s / self._shards, epoch,
-                         self._worker_wait() - self._worker_wait_at)
+                         self._worker_wait() - self._worker_wait_at, self._source_bytes)
             knobs = self.knobs()
             if grew:  # before the first batch of the shard that showed it
                 check_room(key, m, knobs, self.limits)
             decision = decide(knobs, m, self.limits)
-            if decision is None or decision.knobs == knobs:
-                return
-            self._apply(knobs, decision, now, epoch)
-            self._reset(now)
+            if decision is not None and decision.knobs != knobs:
+                self._apply(knobs, decision, now, epoch)
+                self._reset(now)
+            self._tell_rows()
+
+    def _tell_rows(self) -> None:
+        """Tell :attr:`on_rows` the bytes of the batches in flight at the settings now."""
+        if self.on_rows is not None:
+            rows = self.limits.rows_in_flight + self.limits.rows_per_worker * self.knobs().workers
+            self.on_rows(int(rows * self._sample_bytes))
 
     def batch_taken(self) -> None:
         """A per-sample batch reached the loop (in its thread). Every :data:`EARLY_BATCHES`
@@ -464,7 +510,8 @@ class Tuner:
             if held <= 0 or worker_wait < CLEAR_WAIT_SHARE * held:
                 return
             m = Measured(self._shard_bytes, self._sample_bytes, self._shards, held,
-                         epoch=self._epoch, worker_wait_s=worker_wait)
+                         epoch=self._epoch, worker_wait_s=worker_wait,
+                         source_bytes=self._source_bytes)
             knobs = self.knobs()
             decision = _more_workers(knobs, m, self.limits, _room(m, self.limits),
                                      f"{self._batches} batches")
@@ -472,6 +519,7 @@ class Tuner:
                 return
             self._apply(knobs, decision, now, self._epoch)
             self._reset(now)
+            self._tell_rows()
 
     def _apply(self, old: Knobs, decision: Decision, now: float, epoch: int) -> None:
         new = decision.knobs

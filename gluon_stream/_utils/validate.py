@@ -14,8 +14,8 @@ import numbers
 import re
 from typing import Any, Callable, Iterable, Literal, overload
 
-__all__ = ["UNSET", "byte_size", "callable_or_none", "choice", "format_bytes", "integer", "is_int",
-           "is_set", "seconds"]
+__all__ = ["UNSET", "byte_size", "callable_or_none", "choice", "every_nth", "format_bytes",
+           "integer", "is_int", "is_set", "ordinal", "seconds"]
 
 
 class _Unset:
@@ -136,6 +136,27 @@ def format_bytes(size: float) -> str:
             return f"{size:.0f} B" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return f"{size:.1f} GiB"  # not reached
+
+
+def ordinal(n: int) -> str:
+    """``n`` as an English ordinal, for messages.
+
+    Example:
+        >>> [ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 102, 111)]
+        ['1st', '2nd', '3rd', '4th', '11th', '12th', '13th', '21st', '22nd', '102nd', '111th']
+    """
+    suffix = "th" if n % 100 in (11, 12, 13) else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def every_nth(n: int, what: str) -> str:
+    """``'every 2nd date'``, for messages (``'every date'`` for 1).
+
+    Example:
+        >>> every_nth(2, "key"), every_nth(1, "key")
+        ('every 2nd key', 'every key')
+    """
+    return f"every {what}" if n == 1 else f"every {ordinal(n)} {what}"
 
 
 def choice(name: str, value: Any, options: Iterable[Any], hint: str = "") -> Any:

@@ -22,10 +22,10 @@ from ..cache import ShardCache, make_cache
 from ..cache.recipe import recipe_digest
 from ..errors import CorruptShard, LoaderClosed, ShardError, UnsafeKey, UnsafeShard
 from .._pipeline.keys import Keys, check_keys, keys_for_epoch, validate_key
-from ..shardfile import load_shard
+from ..shardfile import inspect_shard, load_shard
 
 __all__ = ["CachingSource", "LOAD_ATTEMPTS", "NAMESPACE_SEPARATOR", "RawShard", "Source",
-           "run_elsewhere"]
+           "header_bytes", "run_elsewhere"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,9 @@ class RawShard:
     """One produced shard before the user's transform: arrays plus where they came from.
 
     ``source`` names the source it came from within a :class:`~gluon_stream.MixSource`
-    (None for a source used alone).
+    (None for a source used alone). ``owned``: the loader owns the arrays, nothing else holds
+    them (it read them from a file itself, not memory-mapped; or a function handed them over,
+    ``FunctionSource(fresh_arrays=True)``): a copy of them may give their memory back.
     """
 
     key: Any
@@ -53,6 +55,7 @@ class RawShard:
     generate_s: float = 0.0
     load_s: float = 0.0
     source: str | None = None
+    owned: bool = False
 
 
 class Source(Closing):
@@ -88,6 +91,14 @@ class Source(Closing):
 
     def num_samples(self, key: Any, epoch: int) -> int | None:
         """Sample count of a shard if known without producing it, else None."""
+        return None
+
+    def raw_bytes(self, key: Any, epoch: int) -> tuple[int, bool, float] | None:
+        """``(bytes, cache_hit, seconds)``: the memory the shard's raw arrays will hold once
+        :meth:`produce` loads them, told by its file's headers before it is read (a
+        ``memory_budget`` admits them first), or None where nothing tells it. A source whose
+        shards another program writes makes the shard first (``cache_hit``, ``seconds``: as
+        :meth:`ensure_file` says), holding no lock on return."""
         return None
 
     def unknown_size_reason(self) -> str:
@@ -269,6 +280,17 @@ class CachingSource(Source):
                         "str)")
         return keys, finite
 
+    def raw_bytes(self, key: Any, epoch: int) -> tuple[int, bool, float] | None:
+        """The shard made in the cache by another program (:attr:`generates_apart`), then its
+        headers read; None for a function's shards (made in this process), a memory-mapped
+        one (the file's pages) or a cache this process cannot read as a local file."""
+        if self._cache is None or not self.generates_apart or self._mmap:
+            return None
+        self._check_open()
+        path, hit, seconds = self.ensure_file(key, epoch)
+        nbytes = header_bytes(path)
+        return None if nbytes is None else (nbytes, hit, seconds)
+
     def num_samples(self, key: Any, epoch: int) -> int | None:
         if self._cache is None:
             return None
@@ -338,12 +360,25 @@ class CachingSource(Source):
                     logger.warning("cached shard %s for key %r is unreadable; deleted it, "
                                    "regenerating", path, key)
                     continue
-            return RawShard(key, epoch, arrays, path, hit, generate_s, time.perf_counter() - t1)
+            # read here: the loader's own arrays, unless memory-mapped (the file's pages)
+            return RawShard(key, epoch, arrays, path, hit, generate_s, time.perf_counter() - t1,
+                            owned=not self._mmap)
         raise ShardError(f"shard {key!r}: gone from the cache {LOAD_ATTEMPTS} times before it "
                          "could be read: deleted by another program, or evicted by a process "
                          "that cannot see this reader (an fsspec cache_dir shared by several "
                          "processes: give it a cache_limit above the shards they read at once)",
                          key=key)
+
+
+def header_bytes(path: str) -> int | None:
+    """Bytes the arrays of a local shard file hold, from its headers (None: not a local file,
+    gone, or unreadable: loading it says what is wrong)."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        return sum(int(info.nbytes) for info in inspect_shard(path))
+    except (OSError, CorruptShard, UnsafeShard):
+        return None
 
 
 def _recipe_digest(recipe: Mapping[str, Any] | None) -> str | None:

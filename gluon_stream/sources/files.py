@@ -11,7 +11,7 @@ from .._utils.fsspec import downloaded, fsspec, glob_urls, is_url, local_or_url
 from ..cache import SUFFIXES
 from ..errors import CorruptShard
 from ..shardfile import inspect_shard, load_shard
-from .base import RawShard, Source
+from .base import RawShard, Source, header_bytes
 
 __all__ = ["FileSource", "expand_paths"]
 
@@ -67,7 +67,16 @@ class FileSource(Source):
                 arrays = load_shard(local)
         else:
             arrays = load_shard(key, mmap=self._mmap)
-        return RawShard(key, epoch, arrays, key, True, 0.0, time.perf_counter() - t0)
+        # read here: the loader's own arrays, unless memory-mapped (the file's pages)
+        return RawShard(key, epoch, arrays, key, True, 0.0, time.perf_counter() - t0,
+                        owned=is_url(key) or not self._mmap)
+
+    def raw_bytes(self, key: Any, epoch: int) -> tuple[int, bool, float] | None:
+        """From the local file's headers (None: a URL, or memory-mapped)."""
+        if is_url(key) or self._mmap:
+            return None
+        nbytes = header_bytes(key)
+        return None if nbytes is None else (nbytes, True, 0.0)
 
     def num_samples(self, key: Any, epoch: int) -> int | None:
         if is_url(key):

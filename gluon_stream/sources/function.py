@@ -32,6 +32,14 @@ class FunctionSource(CachingSource):
     of calling ``fn``; without, ``fn`` runs every time the shard is needed and its arrays live
     only in memory while the shard is in the pipeline.
 
+    ``fresh_arrays=True`` hands ``fn``'s result over to the loader: ``fn`` promises that it
+    returns arrays it made for this call and keeps no reference to, strong or weak (no cache,
+    no ``WeakValueDictionary``, no global, no array shared between keys). The loader then gives
+    their memory back to the OS while it copies them (a shard's arrays and its copy do not
+    both exist whole; see the memory-budget guide). By default (False) the loader never
+    touches what ``fn`` returns. Shards read back from a ``cache_dir`` are the loader's own
+    either way.
+
     Python code cannot be fingerprinted reliably, so a changed ``fn`` is detected only through
     ``version=``: change it when ``fn`` changes, and cached shards made under another version
     are regenerated (``on_change='regenerate'``, with a WARNING) or refused
@@ -47,13 +55,17 @@ class FunctionSource(CachingSource):
     def __init__(self, keys: Keys, fn: Callable[[Any], Any], *,
                  cache_dir: str | os.PathLike | None = None, lock_timeout: float = 3600.0,
                  mmap: bool = False, cache_limit: int | str | None = None,
-                 version: str | None = None, on_change: str = "regenerate") -> None:
+                 version: str | None = None, on_change: str = "regenerate",
+                 fresh_arrays: bool = False) -> None:
         if not callable(fn):
             raise TypeError(f"fn must be callable fn(key) -> arrays, got {type(fn).__name__}")
         if version is not None and cache_dir is None:
             raise ValueError("version= names what made cached shards: it needs a cache_dir")
         super().__init__(keys, cache_dir, lock_timeout, mmap, cache_limit, on_change)
         self.fn = fn
+        if not isinstance(fresh_arrays, bool):
+            raise TypeError(f"fresh_arrays must be True or False, got {fresh_arrays!r}")
+        self.fresh_arrays = fresh_arrays
         self.version = None if version is None else str(version)
         if cache_dir is not None and version is None:
             logger.info("FunctionSource(cache_dir=%r) without version=: shards cached by an "
@@ -82,10 +94,11 @@ class FunctionSource(CachingSource):
             return super().produce(key, epoch, executor)
         t0 = time.perf_counter()
         if executor is None:
-            arrays = self.call(key)
-        else:
-            arrays = run_elsewhere(executor, _call_remote, self, key)
-        return RawShard(key, epoch, arrays, None, False, time.perf_counter() - t0, 0.0)
+            arrays, owned = self.call(key), self.fresh_arrays
+        else:  # unpickled here: the loader's own
+            arrays, owned = run_elsewhere(executor, _call_remote, self, key), True
+        return RawShard(key, epoch, arrays, None, False, time.perf_counter() - t0, 0.0,
+                        owned=owned)
 
     def _create(self, key: Any, epoch: int) -> str:
         arrays = self.call(key)

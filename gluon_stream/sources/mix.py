@@ -286,6 +286,11 @@ class MixSource(Source):
         _, source, inner = self._split(key)
         return source.num_samples(inner, epoch)
 
+    def raw_bytes(self, key: Any, epoch: int) -> tuple[int, bool, float] | None:
+        """What the key's own source tells of its raw arrays' bytes before they are read."""
+        _, source, inner = self._split(key)
+        return source.raw_bytes(inner, epoch)
+
     def known_size(self, key: Any, epoch: int) -> int | None:
         """The size the key's own source knows ahead (file headers, a cache filled ahead)."""
         _, source, inner = self._split(key)

@@ -6,7 +6,10 @@ one being copied into its NDArray (its source and its copy exist together for a 
 Two sources: the built-in generator through a CommandSource (``make_windows``: the windows are
 views of a raw array 16x smaller, so a shard's source is small), and ``function_source``: a
 FunctionSource whose function allocates every shard, six ``(20000, 30, 16)`` float32 arrays and
-a label (38.5 MB), batch 256, so that a shard's source is as large as its copy.
+a label (38.5 MB), batch 256, so that a shard's source is as large as its copy: handed over
+(``fresh_arrays=True``, its copy gives the source's memory back as it goes) and, as
+``function_source_kept``, not (the default: the loader never touches what the function
+returns, so a shard and its copy exist whole together while it is copied).
 Before the measured run the same loader runs 2 epochs of near-empty shards: what it costs
 (imports on first use, threads, the allocator's per-thread arenas) is ``overhead_mb``, which the
 measured run's baseline then includes. ``peak_over_import_baseline_mb`` counts it too (the
@@ -41,10 +44,11 @@ def _random_shard(rows: int, key: int) -> tuple[np.ndarray, np.ndarray]:
             rng.standard_normal(rows, dtype=np.float32))
 
 
-def _run(workload: Workload, epochs: int, function_rows: int | None = None
-         ) -> tuple[int, int, list[int]]:
+def _run(workload: Workload, epochs: int, function_rows: int | None = None,
+         fresh: bool = True) -> tuple[int, int, list[int]]:
     """(baseline, peak RSS, RSS after each epoch) of a StreamLoader over ``epochs`` epochs:
-    over the generator, or over a FunctionSource of ``function_rows`` rows a shard."""
+    over the generator, or over a FunctionSource of ``function_rows`` rows a shard (``fresh``:
+    its arrays handed over)."""
     with tempfile.TemporaryDirectory(prefix="gluon_stream_bench_") as tmp:
         if function_rows is None:
             source: Any = CommandSource(workload.keys(), replace(workload, delay=0.0).command(),
@@ -52,7 +56,8 @@ def _run(workload: Workload, epochs: int, function_rows: int | None = None
             transform: Any = functools.partial(make_windows, time_steps=workload.time_steps)
         else:
             source = FunctionSource(range(workload.shards),
-                                    functools.partial(_random_shard, function_rows))
+                                    functools.partial(_random_shard, function_rows),
+                                    fresh_arrays=fresh)
             transform = None
         gc.collect()
         baseline = rss_bytes()
@@ -75,13 +80,13 @@ def _run(workload: Workload, epochs: int, function_rows: int | None = None
 
 
 def _measure(workload: Workload, epochs: int, shard_bytes: int,
-             function_rows: int | None = None) -> dict:
+             function_rows: int | None = None, fresh: bool = True) -> dict:
     gc.collect()
     first = rss_bytes()
     tiny_rows = workload.time_steps + 2 * workload.batch_size
     warm_base, warm_peak, _ = _run(replace(workload, rows=tiny_rows), WARMUP_EPOCHS,
-                                   None if function_rows is None else tiny_rows)
-    baseline, peak, per_epoch = _run(workload, epochs, function_rows)
+                                   None if function_rows is None else tiny_rows, fresh)
+    baseline, peak, per_epoch = _run(workload, epochs, function_rows, fresh)
     mb = 2 ** 20
     bound = (workload.prefetch + 2) * shard_bytes
     return {"epochs": epochs, "baseline_mb": baseline / mb, "shard_mb": shard_bytes / mb,
@@ -105,4 +110,7 @@ def run_memory_scenario(workload: Workload, epochs: int,
         function = replace(workload, batch_size=FUNCTION_BATCH)
         out["function_source"] = {"rows": function_rows, "batch_size": FUNCTION_BATCH,
                                   **_measure(function, epochs, rows_bytes, function_rows)}
+        out["function_source_kept"] = {"rows": function_rows, "batch_size": FUNCTION_BATCH,
+                                       **_measure(function, epochs, rows_bytes, function_rows,
+                                                  fresh=False)}
     return out

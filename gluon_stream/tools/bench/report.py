@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ...diagnosis import Diagnosis
+from ..._utils.validate import every_nth
 from .features import features_lines
 from .tuning import tuning_lines
 from .pipeline import PIPELINE_SCENARIOS
@@ -231,7 +232,7 @@ def _stragglers_lines(res: dict | None) -> list[str]:
         return []
     st, w = res["stragglers"], res["workload"]
     lines = [f"\nstragglers: {st['dates']} dates x {st['batches_per_date']} batches of "
-             f"{w['batch_size']}, step {w['step_ms']} ms; every {st['every']}th date's "
+             f"{w['batch_size']}, step {w['step_ms']} ms; {every_nth(st['every'], 'date')}'s "
              f"generator sleeps {st['sleep_factor']:g}x {w['delay']:.3f} s (generate "
              f"{fmt(st['generate_s'], '.3f')} s, stragglers "
              f"{fmt(st['straggler_generate_s'], '.3f')} s; mean generation / "
