@@ -289,6 +289,10 @@ def configs(draw):
 # fresh job rolls into it (read again), then its whole quota (the remainder after the stop)
 @example(cfg=model.Config((3,), False, 0, False, "rollover", False, (1, 1, 1), (1, 3, 1),
                           (3, 1), samples_per_epoch=2))
+# ... the next epoch opens with rows rolled over from a mixed unit of shards 7 and 8 (gathered
+# again in a set's order, 8 first: rows of uninitialised memory)
+@example(cfg=model.Config((3,), True, 0, False, "rollover", False, (1, 1, 1), (1, 1, 3),
+                          (0, 0), endless=True, window=2, samples_per_epoch=26))
 def test_resized_twice_every_sample_once(cfg):
     event("endless keys" if cfg.endless else "a key list")  # --hypothesis-show-statistics
     event(f"shuffle_window={cfg.window}")

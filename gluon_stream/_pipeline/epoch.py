@@ -605,7 +605,7 @@ class EpochPass:
         if unit is None:
             raise InvalidState(f"the state holds samples of mixed unit {seg.unit} of epoch "
                                f"{seg.epoch}, which does not exist: the keys changed")
-        used = {j: shards[j] for j in set(unit.shards.tolist())}
+        used = {j: shards[j] for j in np.unique(unit.shards).tolist()}  # as the feed holds them
         newest = shards.get(seg.unit)
         mixed = MixedData(unit, used, newest.key if newest else None)
         if sources is not None:
