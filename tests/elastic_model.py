@@ -5,18 +5,19 @@ states, ``parts[1]`` ranks load them, train to another step and stop; ``parts[2]
 the merge of those and train the rest. Every sample of epoch 0 is a shard's row, named by its
 value (``1000 * key + row``). The oracle says which samples may be missing (never one trained
 twice): none with ``'pad'`` or ``last_batch='keep'``; a short batch per rank with
-``'discard'``/``'rollover'`` (rolled into the next epoch) or ``even_batches=True``, sizes
-known or not (the new ranks' strides turn from piece to piece by the rows left before each,
-counted ahead or learned as the pieces are made). With ``endless`` keys (an iterator per epoch) the same holds: the
-merge deals the iterator's keys as the old ranks drew them, and the new ranks read the pieces
-left, then the iterator's keys after them. With a shuffle ``window`` of 2 or 3 shards too: the
-merge cuts the mixed units the old ranks stood in by the lengths their states record, and the
-new ranks mix the pieces left by the same window.
+``'discard'``/``'rollover'`` (rolled into the next epoch) or ``even_batches=True``, sizes known
+or not (the new ranks' strides turn from piece to piece by the rows left before each, counted
+ahead or learned as the pieces are made). With ``endless`` keys (an iterator per epoch) the
+same holds: the merge deals the iterator's keys as the old ranks drew them, and the new ranks
+read the pieces left, then the iterator's keys after them. With a shuffle ``window`` of 2 or 3
+shards too: the merge cuts the mixed units the old ranks stood in by the lengths their states
+record, and the new ranks mix the pieces left by the same window.
 
 With ``samples_per_epoch`` an epoch is no pass over the keys: each rank's epoch is its next
 ``samples_per_epoch`` samples of its own stream (a sample may come twice, from two passes), so
 the oracle is a multiset: the samples the ranks of the job that began the epoch read for it
-(as a loader with ``last_batch='keep'`` reads them), of which the stages train each at most as
+(as a loader with ``last_batch='keep'`` reads them, and with ``'rollover'`` what a fresh job
+rolls into it from the epoch before), of which the stages train each at most as
 often, missing at most :func:`missing_allowed`; the next epoch is a fresh job's. Endless keys
 then cycle through the shards (a long iterator: one pass, as an endless iterator is).
 """
