@@ -54,14 +54,15 @@ def train(loader: gs.StreamLoader, batch_size: int, stop: int | None) -> tuple[l
 
 
 def next_epoch(loader: gs.StreamLoader, batch_size: int) -> Any:
-    """The next epoch's rows, or the error a rank with no sample at all meets with 'pad'
-    (a fresh job meets it alike)."""
+    """The next epoch's rows, or the error a rank with no sample at all meets with 'pad', or
+    with samples_per_epoch where every pass gives it none (a fresh job meets them alike)."""
     try:
         return train(loader, batch_size, None)
     except gs.StreamError as exc:
-        if "has no batch to give" not in str(exc):
-            raise
-        return "no batch to give"
+        for refusal in ("has no batch to give", "passes over the keys in a row"):
+            if refusal in str(exc):
+                return refusal
+        raise
 
 
 def stage(cfg, parts, batch_size, state, stop):
@@ -289,6 +290,9 @@ def configs(draw):
 # fresh job rolls into it (read again), then its whole quota (the remainder after the stop)
 @example(cfg=model.Config((3,), False, 0, False, "rollover", False, (1, 1, 1), (1, 3, 1),
                           (3, 1), samples_per_epoch=2))
+# ... a rank of the last stage whose passes give it no sample: refused as in a fresh job
+@example(cfg=model.Config((1, 0, 0), True, 0, "pad", "keep", False, (1, 1, 3), (1, 1, 1),
+                          (0, 0), window=2, samples_per_epoch=1))
 # ... the next epoch opens with rows rolled over from a mixed unit of shards 7 and 8 (gathered
 # again in a set's order, 8 first: rows of uninitialised memory)
 @example(cfg=model.Config((3,), True, 0, False, "rollover", False, (1, 1, 1), (1, 1, 3),
