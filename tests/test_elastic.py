@@ -53,13 +53,17 @@ def train(loader: gs.StreamLoader, batch_size: int, stop: int | None) -> tuple[l
     return rows, count
 
 
+#: samples_per_epoch: a rank whose passes over the keys give it no sample, pass after pass
+EMPTY_PASSES = "passes over the keys in a row"
+
+
 def next_epoch(loader: gs.StreamLoader, batch_size: int) -> Any:
     """The next epoch's rows, or the error a rank with no sample at all meets with 'pad', or
     with samples_per_epoch where every pass gives it none (a fresh job meets them alike)."""
     try:
         return train(loader, batch_size, None)
     except gs.StreamError as exc:
-        for refusal in ("has no batch to give", "passes over the keys in a row"):
+        for refusal in ("has no batch to give", EMPTY_PASSES):
             if refusal in str(exc):
                 return refusal
         raise
@@ -80,7 +84,7 @@ def stage(cfg, parts, batch_size, state, stop):
                 other.close()
             if "has no batch to give" in str(exc):  # 'pad' with a rank of no sample at all:
                 reject()  # refused as in any job (it has no batch to pad with)
-            if "passes over the keys in a row" in str(exc):  # samples_per_epoch: a rank
+            if EMPTY_PASSES in str(exc):  # samples_per_epoch: a rank
                 reject()  # dealt only empty shards pass after pass, as in any job
             raise
         rows += got
@@ -156,10 +160,14 @@ def quota(cfg: model.Config, parts: int, batch_size: int, epoch: int) -> collect
             ref = dataclasses.replace(cfg, last_batch=last_batch, even=False)
             before[last_batch] = collections.Counter()
             with make_loader(ref, parts, rank, batch_size) as loader:
-                for _ in range(epoch):
-                    before[last_batch].update(train(loader, batch_size, None)[0])
-                if last_batch == "keep":
-                    out.update(train(loader, batch_size, None)[0])
+                for e in range(epoch + 1):
+                    got = next_epoch(loader, batch_size)
+                    if got == EMPTY_PASSES:  # a fresh job of this shape is refused (as the
+                        reject()  # stages' own are): the resumed job is compared to none
+                    if e < epoch:
+                        before[last_batch].update(got[0])
+                    elif last_batch == "keep":
+                        out.update(got[0])
         if "rollover" in before:  # rolled in: read before it by 'keep', not yet by 'rollover'
             out += before["keep"] - before["rollover"]  # (a multiset of stream positions:
     return out  # a pass's values come again in the next, so not the union of the two reads)
@@ -198,8 +206,8 @@ def check_fixed(cfg: model.Config) -> dict:
         epoch = loaders[0].epoch
         for rank, loader in enumerate(loaders):  # the next epoch is a fresh job's
             with make_loader(cfg, n2, rank, b2) as fresh:
-                for _ in range(epoch):
-                    next_epoch(fresh, b2)
+                if EMPTY_PASSES in [next_epoch(fresh, b2) for _ in range(epoch)]:
+                    reject()  # a fresh job of the last stage's shape never reaches the epoch
                 assert next_epoch(loader, b2) == next_epoch(fresh, b2), (rank, epoch)
     finally:
         for loader in loaders:
