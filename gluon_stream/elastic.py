@@ -85,6 +85,8 @@ def merge_states(states: Sequence[Mapping[str, Any]], *,
     left = any(not r["end"] or r["carry"] for r in ranks)
     spec = {"epoch": epoch, "parts": len(by_rank), "deal": first.get("deal", "shards"),
             "prior": prior, "ranks": ranks} if left else None
+    if spec is not None:  # deal='balanced': the pieces' strides turn by the rows left before
+        spec["learned"] = True  # them, learned as they are made where no rank counts them ahead
     if spec is not None and first.get("samples_per_epoch") is not None:  # each rank's quota
         spec["samples_per_epoch"] = first["samples_per_epoch"]
     if spec is not None and first.get("shuffle_window", 1) != 1:  # the mixed units to cut

@@ -421,14 +421,18 @@ class ShardStream(Closing):
         if remainder is not None and remainder.is_piece(index):  # else: an endless tail's key
             made = remainder.pieces[index].epoch
             own = self.shard_order(key, made, length)
+            agreed = self.sizes.rows_before(epoch, index)  # else: learned, as a fresh epoch's
+            learned = before if self.sizes.learns_rows(epoch) else None
             return remainder.rows(index, np.arange(length) if own is None else own,
                                   self.num_parts, self.part_index, self.deal,
-                                  self.sizes.rows_before(epoch, index))
+                                  agreed if agreed is not None else learned)
         order = self.shard_order(key, epoch, length)
         if self.deal != "shards" and self.num_parts > 1:
             rows = np.arange(length) if order is None else order
-            # an endless remainder's tail (keys after its pieces): equal strides, as its pieces
-            deal = "samples" if remainder is not None and self.deal == "balanced" else self.deal
+            # an endless remainder's tail (keys after its pieces): as its pieces (equal
+            # strides where it was merged by an older gluon_stream)
+            deal = "samples" if remainder is not None and self.deal == "balanced" \
+                and not self.sizes.learns_rows(epoch) else self.deal
             order = part_rows(rows, self.num_parts, self.part_index, deal,
                               stride_turn(deal, epoch, index, before))
         return order
@@ -730,8 +734,9 @@ class ShardStream(Closing):
         """``deal='balanced'``: tell the run this shard's size and wait for the rows before
         it, letting another producer work meanwhile (the shard it waits for may need one)."""
         assert run.offsets is not None
+        rows = self.sizes.rows_dealt(run.epoch, index, full_size)  # a remainder's: rows left
         with self._res.throttle.released():
-            return run.offsets.before(index, full_size, lambda: run.cancelled or self.closed)
+            return run.offsets.before(index, rows, lambda: run.cancelled or self.closed)
 
     def check_schema(self, shard: Shard) -> None:
         """Raise :class:`~gluon_stream.SchemaMismatch` unless ``shard``'s arrays batch with the

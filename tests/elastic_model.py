@@ -5,19 +5,19 @@ states, ``parts[1]`` ranks load them, train to another step and stop; ``parts[2]
 the merge of those and train the rest. Every sample of epoch 0 is a shard's row, named by its
 value (``1000 * key + row``). The oracle says which samples may be missing (never one trained
 twice): none with ``'pad'`` or ``last_batch='keep'``; a short batch per rank with
-``'discard'``/``'rollover'`` (rolled into the next epoch) or ``even_batches=True``; with
-``even_batches=True`` and sizes unknown (or fewer keys than a stage's ranks, which deals equal
-strides too), also the fewer-than-``num_parts`` rows a rank's equal stride leaves out of each
-shard (or piece of one). With ``endless`` keys (an iterator per epoch) the same holds: the
-merge deals the iterator's keys as the old ranks drew them, and the new ranks read the pieces
-left, then the iterator's keys after them. With a shuffle ``window`` of 2 or 3 shards too: the
-merge cuts the mixed units the old ranks stood in by the lengths their states record, and the
-new ranks mix the pieces left by the same window.
+``'discard'``/``'rollover'`` (rolled into the next epoch) or ``even_batches=True``, sizes known
+or not (the new ranks' strides turn from piece to piece by the rows left before each, counted
+ahead or learned as the pieces are made). With ``endless`` keys (an iterator per epoch) the
+same holds: the merge deals the iterator's keys as the old ranks drew them, and the new ranks
+read the pieces left, then the iterator's keys after them. With a shuffle ``window`` of 2 or 3
+shards too: the merge cuts the mixed units the old ranks stood in by the lengths their states
+record, and the new ranks mix the pieces left by the same window.
 
 With ``samples_per_epoch`` an epoch is no pass over the keys: each rank's epoch is its next
 ``samples_per_epoch`` samples of its own stream (a sample may come twice, from two passes), so
 the oracle is a multiset: the samples the ranks of the job that began the epoch read for it
-(as a loader with ``last_batch='keep'`` reads them), of which the stages train each at most as
+(as a loader with ``last_batch='keep'`` reads them, and with ``'rollover'`` what a fresh job
+rolls into it from the epoch before), of which the stages train each at most as
 often, missing at most :func:`missing_allowed`; the next epoch is a fresh job's. Endless keys
 then cycle through the shards (a long iterator: one pass, as an endless iterator is).
 """
@@ -77,9 +77,6 @@ def missing_allowed(cfg: Config, stages: tuple[int, ...] = (2,)) -> int:
     last_ranks, last_bs = cfg.parts[2], cfg.batch_sizes[2]
     if cfg.even == "pad" or (cfg.last_batch == "keep" and cfg.even is not True):
         return 0
-    allowed = last_ranks * last_bs  # a short batch per rank (one more row: equal deals)
-    if cfg.even is True and (not cfg.sizes_known or cfg.endless):
-        # equal strides cut from every shard: sizes unknown (an endless iterator's never are
-        # all known ahead); with sizes known the strides turn from piece to piece (issue 35)
-        allowed += sum(cfg.parts) * len(cfg.sizes)
-    return allowed
+    # a short batch per rank (one more row: equal deals); the remainder's strides turn from
+    # piece to piece, sizes known or not (learned as the pieces are made), issue 35
+    return last_ranks * last_bs

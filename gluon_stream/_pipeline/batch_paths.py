@@ -96,7 +96,7 @@ class SlicePath:
         unit = mixed.unit
         if not len(unit):
             return mixed
-        shards = list(mixed.shards)
+        shards = sorted(mixed.shards)  # searched: sorted, whatever order they are held in
         which = np.searchsorted(np.asarray(shards), unit.shards)
         raws = [cast(Ordered, mixed.shards[j].arrays) for j in shards]
         rows = np.empty(len(unit), dtype=np.int64)

@@ -464,8 +464,7 @@ class EpochPass:
         """``deal='balanced'``: the rows before position ``unit`` of the epoch, as the state
         this pass started from records them (0 at the epoch's start)."""
         recorded = self._recorded
-        if unit in recorded or not unit or self.stream.deal != "balanced" \
-                or self.stream.num_parts == 1 or self.stream.remainder_of(self.epoch) is not None:
+        if unit in recorded or not unit or not self.stream.sizes.learns_rows(self.epoch):
             return recorded.get(unit, 0)
         raise InvalidState(
             f"the state resumes epoch {self.epoch} at shard {unit}, but does not record the rows "
@@ -606,7 +605,7 @@ class EpochPass:
         if unit is None:
             raise InvalidState(f"the state holds samples of mixed unit {seg.unit} of epoch "
                                f"{seg.epoch}, which does not exist: the keys changed")
-        used = {j: shards[j] for j in set(unit.shards.tolist())}
+        used = {j: shards[j] for j in np.unique(unit.shards).tolist()}  # as the feed holds them
         newest = shards.get(seg.unit)
         mixed = MixedData(unit, used, newest.key if newest else None)
         if sources is not None:

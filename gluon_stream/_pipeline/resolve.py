@@ -51,6 +51,10 @@ def resolve(spec: Mapping[str, Any], keys_of: KeysOf,
     turns = spec["prior"].get("turns") if prior is not None else None
     if deal == "balanced" and prior is not None and not spec["prior"].get("turned"):
         turns = None  # saved before balanced strides turned across pieces: read equal ones
+    # the prior's balanced pieces (and tail) turned where no rank counted them ahead too, by
+    # the rows before them the producers learned (the ranks' rows_before); a piece none of
+    # them reached: each its own stride, which together are all its rows
+    learned = prior is not None and bool(spec["prior"].get("learned"))
     # deal='balanced': the rows before the shards the ranks stood in, which turn their strides
     # (a shard none of them reached: every rank's own stride, which together are all its rows)
     before = {int(u): int(n) for saved in spec["ranks"]
@@ -97,11 +101,13 @@ def resolve(spec: Mapping[str, Any], keys_of: KeysOf,
         if isinstance(item, Piece):
             read_before = turns[unit] if turns else None
             read = remainder_deal(deal, read_before)
+            if learned and deal == "balanced" and read_before is None:
+                read_before, read = before.get(unit), "strides"
             return (item.epoch, item.key), Take(item, parts,
                                                 stride_of(rank, parts, read, read_before),
                                                 read, start, stop, expect, mixed)
         if deal == "balanced" and parts > 1 and e == epoch and tail_at is not None \
-                and unit >= tail_at:  # the tail read before: equal strides, as its pieces
+                and unit >= tail_at and not learned:  # the tail read before: equal strides
             return (e, item), Take(None, parts, rank, "samples", start, stop, expect, mixed)
         if deal == "balanced" and parts > 1:
             return (e, item), Take(None, parts, stride_of(rank, parts, deal, before.get(unit)),

@@ -158,8 +158,8 @@ class EpochRun:
         self._unplaced = 0  # work started in a thread, waiting for a producer's place
         self._unplaced_lock = threading.Lock()  # not _lock: the window is filled holding it
         self._awaited: set[cf.Future] = set()  # generations ahead a window's shard waits for
-        self.offsets = RowOffsets(skip, rows_before) if stream.deal == "balanced" \
-            and stream.num_parts > 1 and stream.remainder_of(epoch) is None else None
+        self.offsets = RowOffsets(skip, rows_before) if stream.sizes.learns_rows(epoch) \
+            else None
         # the consumer fills the window; producers finishing a shard start generations ahead
         self._lock = threading.RLock()
 

@@ -142,6 +142,29 @@ class ShardSizes:
             return self.part_share(full, 0)
         return max(self.unit_share(epoch, index, full, p) for p in range(self.num_parts))
 
+    def learns_rows(self, epoch: int) -> bool:
+        """``deal='balanced'``: whether a pass of ``epoch`` learns the rows before each shard
+        from its producers (:class:`~gluon_stream._pipeline.offsets.RowOffsets`) to turn its
+        strides: a fresh epoch; an elastic resume's remainder whose rest not every rank counts
+        alike ahead (a piece's size unknown, or an endless tail), its pieces told by the rows
+        left in them (a remainder merged by an older gluon_stream: its pieces were cut to
+        equal strides, and are read so again)."""
+        if self.deal != "balanced" or self.num_parts == 1:
+            return False
+        remainder = self._remainder_of(epoch)
+        if remainder is None:
+            return True
+        return bool(remainder.spec.get("learned")) and not remainder.fixed \
+            and self.rows_before(epoch, 0) is None
+
+    def rows_dealt(self, epoch: int, index: int, full: int) -> int:
+        """The rows the parts split of the shard at position ``index`` of ``epoch`` holding
+        ``full`` (a remainder's piece: the rows left in it)."""
+        remainder = self._remainder_of(epoch)
+        if remainder is None or not remainder.is_piece(index):
+            return full
+        return remainder.pieces[index].count(full)
+
     def rows_before(self, epoch: int, index: int) -> int | None:
         """An elastic resume's remainder: the rows left in its pieces before piece ``index``,
         where every rank knows them alike (declared sizes, or the source's, without a
@@ -216,6 +239,11 @@ class ShardSizes:
                                         for p in remainder.pieces]
             if remainder.tail is not None or any(n is None for n in fulls):
                 return None
+            if self.learns_rows(epoch):  # strides turned by the rows left before each piece
+                part = self.part_index if part_index is None else part_index
+                return sum(remainder.share(i, n, self.num_parts, part, self.deal, before)
+                           for i, (n, before) in enumerate(zip(fulls, remainder.counts(fulls)))
+                           if n is not None)
             return sum(self.unit_share(epoch, i, n, part_index) for i, n in enumerate(fulls)
                        if n is not None)
         _, finite, keys = self._keys_of(epoch, part_index)
