@@ -257,7 +257,9 @@ def test_command_failures_with_skip_drop_exactly_those_shards(tmp_path, caplog):
     bad = ("k1", "k3", "k4", "k6")
     assert {m for m in bad if any(repr(m) in r.getMessage() for r in skips)} == set(bad)
     assert "wrote no file" in skips[-1].getMessage()
-    assert sorted(os.listdir(tmp_path / "cache")) == ["k0.npy", "k2.npy", "k5.npy"]
+    assert sorted(os.listdir(tmp_path / "cache")) == ["k0.npy", "k1.failed.json", "k2.npy",
+                                                      "k3.failed.json", "k4.failed.json",
+                                                      "k5.npy", "k6.failed.json"]
 
 
 def _values(key, rows):

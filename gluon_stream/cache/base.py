@@ -59,6 +59,10 @@ class ShardCache(Protocol):
     def evict(self, path: str) -> None:
         """Remove a finished shard (it is unreadable); gone already is fine."""
 
+    def retry_failures(self, names: list[str] | None = None) -> list[str]:
+        """Forget the failures recorded for ``names`` (None: all): they are made again when
+        next asked for. The names whose record went (none where failures are not recorded)."""
+
     def recorded_sizes(self) -> Mapping[str, Mapping[str, Any]]:
         """Shard name -> ``{"samples", "recipe"}`` recorded when the cache was filled ahead."""
 

@@ -2,7 +2,8 @@
 
 Layout: ``<key>.npy``/``<key>.npz`` finished shards, ``.<key>.<pid>.<rand>.tmp.npy`` a
 generation in progress, ``.<key>.lock`` the per-key lock and ``.cache-evict.lock`` the
-eviction lock (each removed by its holder). A generation writes a private temp file that is
+eviction lock (each removed by its holder), ``<key>.failed.json`` a generation that failed
+(see :mod:`.failures`). A generation writes a private temp file that is
 validated, then renamed into place, so a reader never sees half a shard. Temp files (and
 directories a generator made at its temp path) and lock files left by crashed runs are removed
 at the next start; symlinks are never followed, and only regular files are read.
@@ -63,6 +64,7 @@ from .._utils.files import TEMP_MARKER, remove_if_exists
 from ..shardfile import inspect_shard, open_regular
 from .base import Create, Recipe
 from .evict import CacheLimit, evict_if_unread
+from .failures import drop_failures, read_failure, worth_recording, write_failure
 from .leftovers import remove_leftovers
 from .lock import LOCK_SUFFIX, exclusive
 from .recipe import describe_change, normalized, read_recipe, write_recipe
@@ -100,6 +102,9 @@ class LocalShardCache:
         >>> with cache.pinned("a", make_a) as (path, hit):  # doctest: +SKIP
         ...     arrays = load_shard(path)
     """
+
+    #: Whether failed generations are recorded beside the shard, for every process to see.
+    remembers_failures = True
 
     def __init__(self, cache_dir: str | os.PathLike, lock_timeout: float,
                  closed: threading.Event | None = None, limit: int | str | None = None,
@@ -390,6 +395,7 @@ class LocalShardCache:
                 pin = self._pin(path)
                 if pin is not None:
                     return path, True, pin
+            self._refuse_failed(name, recipe)
             reservation = self._reserve(name)
             try:
                 return self._create_reserved(name, create, recipe)
@@ -399,7 +405,11 @@ class LocalShardCache:
     def _create_reserved(self, name: str, create: Create,
                          recipe: Recipe) -> tuple[str, bool, Any]:
         """Make, record and publish the shard ``name`` (under its key's lock, room reserved)."""
-        tmp = create()
+        try:
+            tmp = create()
+        except BaseException as exc:
+            self._remember_failure(name, recipe, exc)
+            raise
         try:
             if os.path.islink(tmp):
                 raise UnsafeShard(f"shard {name!r}: the generator left a symlink at {tmp!r}; "
@@ -408,10 +418,50 @@ class LocalShardCache:
             if recipe is not None:
                 self._record(tmp, recipe)
             path, pin = self._publish(tmp, name)
-            return path, False, pin
         except BaseException:
             remove_if_exists(tmp)
             raise
+        if self.remembers_failures:
+            drop_failures(self.root, [name])  # made at last: a failure recorded before is old
+        return path, False, pin
+
+    # -- failures remembered beside the shard (see .failures) -------------------------------
+    def _refuse_failed(self, name: str, recipe: Recipe) -> None:
+        """Raise the failure recorded for ``name`` if ``recipe`` made it (under the key's
+        lock); a record of another recipe is dropped, and the shard made again."""
+        if not self.remembers_failures:
+            return
+        failure = read_failure(self.root, name)
+        if failure is None:
+            return
+        current = None if recipe is None else normalized(recipe)
+        if failure.recipe == current:
+            raise failure.error_for()
+        logger.info("shard %r failed before with another recipe (%s): making it again", name,
+                    describe_change(failure.recipe or {}, current or {}))
+        drop_failures(self.root, [name])
+
+    def _remember_failure(self, name: str, recipe: Recipe, exc: BaseException) -> None:
+        """Record that making ``name`` failed with ``exc`` (a failure of the generation), so
+        that no process makes it again until it is retried."""
+        if not self.remembers_failures or not worth_recording(exc):
+            return
+        try:
+            path = write_failure(self.root, name, None if recipe is None else normalized(recipe),
+                                 exc, self.temp_path(name, ".failed"))
+        except OSError as err:  # the failure itself is what the caller must see
+            logger.warning("cannot record the failure of shard %r in %s (%s): other processes "
+                           "will make it again", name, self.root, err)
+            return
+        logger.info("recorded the failure of shard %r in %s: no process makes it again until "
+                    "it is retried", name, path)
+
+    def retry_failures(self, names: list[str] | None = None) -> list[str]:
+        """Forget the recorded failures of ``names`` (None: all), so the shards are made again
+        when next asked for; the names whose record went."""
+        if self.read_only or not self.remembers_failures:
+            return []
+        return drop_failures(self.root, names)
 
     def _reserve(self, name: str) -> str | None:
         """With ``cache_limit``, make room for the shard ``name`` before it is made and leave a

@@ -63,6 +63,9 @@ class RemoteShardCache(LocalShardCache):
     read or written on the store until the first shard is asked for.
     """
 
+    #: No failure records: ``root`` is a directory of this host, which other hosts do not see.
+    remembers_failures = False
+
     def __init__(self, url: str, lock_timeout: float, closed: threading.Event | None = None,
                  limit: int | str | None = None, on_change: str = "regenerate") -> None:
         self.fs, path = fsspec().core.url_to_fs(url)

@@ -51,6 +51,9 @@ def register(subparsers: Any) -> None:
                              "(0: no limit)")
     parser.add_argument("--retries", type=non_negative_int, default=2,
                         help="attempts per key after the first fails, with backoff")
+    parser.add_argument("--retry-failed", action="store_true",
+                        help="run again the keys whose failure is recorded in the cache (else "
+                             "they fail at once with the recorded error)")
     parser.add_argument("--suffix", choices=SHARD_SUFFIXES, default=".npy",
                         help="the file type the generator writes")
     parser.add_argument("--no-progress", dest="progress", action="store_false",
@@ -125,6 +128,8 @@ def run_generate(args: argparse.Namespace) -> int:
                                suffix=args.suffix, mmap=True)
     except (ValueError, TypeError, OSError) as exc:
         raise UsageError(str(exc)) from None
+    if args.retry_failed:
+        source.retry_failures(keys, args.epoch)
     failed: list[tuple[str, BaseException]] = []
     sizes: dict[str, int] = {}  # recorded for loaders: sizes known ahead, alike on every rank
     hits = 0
