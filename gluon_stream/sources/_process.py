@@ -18,8 +18,10 @@ typed in the parent (:func:`~gluon_stream._utils.libc.libc`), no import, no allo
 the call's arguments, no lock, and ``getppid`` against the pid noted in the parent, which
 catches a loader that died before the ``prctl`` (the child then kills itself). CPython takes
 the import lock around the ``fork`` and resets its own state in the child. The cost: with a
-``preexec_fn``, ``subprocess`` forks instead of using ``vfork``: about 3.5 ms more per program
-started (measured on a 2-core machine, 0 to 3 GiB resident), small beside a generator's run.
+``preexec_fn``, ``subprocess`` forks instead of using ``vfork``: 3 to 4.5 ms more per program
+started (``/bin/true`` through :class:`ProgramRunner`: 4.0 to 5.1 ms against 0.6 to 1.8 ms,
+medians of 40 runs with 0 and 2 GiB resident, on a shared 2-core machine), small beside a
+generator's run.
 
 The signal fires when the *thread* that started the program ends, not only the process: the
 thread that calls :meth:`ProgramRunner.run` waits for the program in that same call and reaps
