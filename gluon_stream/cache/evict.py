@@ -3,8 +3,9 @@
 A shard is *pinned* by a shared ``flock`` on its file: held by a reader while it loads it, and
 by the producer that made it from before it is published until it is read. Eviction takes the
 exclusive lock without waiting, so a pinned shard is skipped, never removed under its reader.
-Room is made before a shard is published (see ``LocalShardCache``), so the cache never holds
-more than ``cache_limit``.
+Room is made before a shard is published (see ``LocalShardCache``), so a process alone never
+holds more than its ``cache_limit``; shards other processes have pinned or are making count
+against their own limits (see :mod:`.room`).
 """
 from __future__ import annotations
 
