@@ -408,6 +408,27 @@ def test_a_shard_in_use_elsewhere_counts_against_the_other_limit(tmp_path):
     assert cached(tmp_path) == ["a.npy", "b.npy"] and hidden_files(tmp_path) == []
 
 
+@pytest.mark.timeout(60)
+def test_shards_growing_past_their_reservations_publish_without_waiting(tmp_path, caplog):
+    """Two producers make 704-byte shards at once under '1000B', room reserved at the 192
+    bytes seen so far: each shard, already on disk, publishes (was: each waited for the other,
+    counted at the new size, to publish: stuck for lock_timeout, then CacheFull)."""
+    caplog.set_level(logging.INFO, logger="gluon_stream")
+    both = threading.Barrier(2, timeout=10)
+
+    def make(key):
+        if key in (1, 2):
+            both.wait()  # the two large shards are made at once
+        return np.zeros(8 if key == 0 else 72)  # files of 192 bytes, then of 704
+
+    src = gs.FunctionSource(range(4), make, cache_dir=tmp_path, cache_limit="1000B",
+                            lock_timeout=5)
+    with gs.ShardStream(src, producers=2, prefetch=1, generate_ahead=0) as stream:
+        assert [len(shard.arrays[0]) for shard in stream] == [8, 72, 72, 72]
+    assert sum(os.path.getsize(tmp_path / name) for name in cached(tmp_path)) <= 1000
+    assert hidden_files(tmp_path) == []
+
+
 _LOCKER = r"""
 import sys, threading
 from gluon_stream.cache.lock import exclusive

@@ -24,8 +24,8 @@ With ``cache_limit``, room is made *before* a shard is generated (see :mod:`.roo
 process takes (as MosaicML's streaming evicts before it downloads): the least recently used
 shards that nobody has pinned are evicted until the published shards, the ones being made and
 the new one fit, and a reservation (``.<key>.<pid>.<rand>.tmp.room``, an empty file) says that a
-shard is being made; at publication room is checked again with the shard's real size, then it is
-renamed into place and its reservation goes. A byte limit counts a shard being made as large as
+shard is being made; at publication room is made again with the shard's real size (never
+waiting: the shard is on disk already), then it is renamed into place and its reservation goes. A byte limit counts a shard being made as large as
 the largest shard seen so far. A shard is pinned (a shared ``flock``) while it is read, and from
 before it is published until its producer has read it. Shards that another process has pinned
 or is making count against that process's limit: this one evicts around them but never waits for
@@ -537,20 +537,27 @@ class LocalShardCache:
     @contextlib.contextmanager
     def _room_for(self, name: str, size: int, replacing: bool = True) -> Iterator[None]:
         """With ``cache_limit``, hold the eviction lock with room made for one more shard of
-        ``size`` bytes, so what the with-block publishes keeps the cache within the limit
-        (``replacing``: the shard then replaces a cached shard of the same key). While there
-        is no room, waits with the lock released (another process may need it to publish the
-        shard that makes room), then tries again."""
+        ``size`` bytes (``replacing``: the shard then replaces a cached shard of the same key),
+        for the with-block to publish it.
+
+        Never waits: the shard is on disk already, as a temp file its reservation made room
+        for, so publishing it adds nothing to the directory; room is made again with its real
+        size, evicting what can go. A shard larger than the reservation's estimate (the largest
+        seen) may leave a byte limit exceeded until the next reservation makes room: waiting here
+        instead would hang producers that each wait for the other's shard, estimated at the new
+        size, to be published (two growing shards under a limit that holds one of them)."""
         if not self._room.bounded:
             yield
             return
-        deadline = time.monotonic() + self.lock_timeout
-        while True:
-            with self._locked(EVICT_LOCK, lambda: self._lock_timeout_error(EVICT_LOCK)):
-                if self._make_room(name, size, replacing):
-                    yield
-                    return
-            self._room.pause(self, name, deadline)
+        with self._locked(EVICT_LOCK, lambda: self._lock_timeout_error(EVICT_LOCK)):
+            if not self._make_room(name, size, replacing):
+                self.tell_once("over", logging.INFO,
+                               "cache_limit (%s): shard %r (%d bytes) is larger than the room "
+                               "made for it, and the shards that could make up for it are in "
+                               "use: publishing it (it is on disk already); the next shards "
+                               "wait until %s is back within the limit", self._room.limit, name,
+                               size, self.root)
+            yield
 
     def _place(self, tmp: str, name: str, suffix: str) -> str:
         """Move the temp file to its final name; remove the key's shard of the other suffix."""
