@@ -171,7 +171,8 @@ def test_generate_retry_failed_runs_recorded_failures_again(tmp_path, capsys):
     assert main(argv) == 1
     flag.touch()
     assert main(argv) == 1  # recorded: not run again
-    assert "failed before" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "failed before" in err and "pass --retry-failed to run them" in err
     assert main(argv + ["--retry-failed"]) == 0
     assert sorted(os.listdir(tmp_path / "c")) == [".gluon_stream-sizes.json", "a.npy"]
 

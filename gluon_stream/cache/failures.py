@@ -36,12 +36,13 @@ from .._utils.files import remove_if_exists
 from ..errors import (CacheFull, CommandNotFound, CorruptShard, ShardError, ShardTimeout,
                       StreamError, UnsafeShard)
 
-__all__ = ["FAILED_SUFFIX", "Failure", "drop_failures", "failure_path", "read_failure",
+__all__ = ["FAILED_SUFFIX", "Failure", "RECORDED", "drop_failures", "failure_path", "read_failure",
            "worth_recording", "write_failure"]
 
 logger = logging.getLogger(__name__)
 
 FAILED_SUFFIX = ".failed.json"
+RECORDED = "failure_record"  # attribute of an error raised from a record: the record's path
 MAX_RECORD_BYTES = 64 * 1024  # a record is ~1-6 kB (the stderr tail is bounded at 4 KiB)
 _MAX_TEXT = 8192  # characters of the error's text kept
 #: The errors a record re-raises, by name: the generator's failures, never anything else.
@@ -91,13 +92,17 @@ class Failure:
                    "that file; a changed command, env= or version= retries it too)"
                    + (f"\n{rest}" if rest else ""))
         cls = _TYPES.get(self.error_type, ShardError)
+        error: StreamError
         if issubclass(cls, ShardError):
-            return cls(message, key=self.name, argv=self.fields.get("argv"),
-                       returncode=self.fields.get("returncode"),
-                       stderr_tail=self.fields.get("stderr_tail") or "")
-        if cls is CorruptShard:
-            return CorruptShard(message, path=self.path, reason=first)
-        return cls(message)  # UnsafeShard
+            error = cls(message, key=self.name, argv=self.fields.get("argv"),
+                        returncode=self.fields.get("returncode"),
+                        stderr_tail=self.fields.get("stderr_tail") or "")
+        elif cls is CorruptShard:
+            error = CorruptShard(message, path=self.path, reason=first)
+        else:
+            error = cls(message)  # UnsafeShard
+        setattr(error, RECORDED, self.path)  # where it was read: the CLI offers to retry it
+        return error
 
 
 def write_failure(root: str, name: str, recipe: Any, exc: BaseException, tmp: str) -> str:

@@ -12,6 +12,7 @@ import sys
 from typing import Any, Sequence
 
 from ..cache import SUFFIXES as SHARD_SUFFIXES
+from ..cache.failures import RECORDED
 from ..errors import StreamError
 from .._pipeline.keys import validate_key
 from .._utils.progress import make_tqdm
@@ -164,6 +165,11 @@ def run_generate(args: argparse.Namespace) -> int:
           f"({done - hits} generated, {hits} already cached, {len(failed)} failed)")
     for key, error in failed:
         print(_failure(key, error), file=sys.stderr)
+    recorded = sum(1 for _, error in failed if getattr(error, RECORDED, None))
+    if recorded:
+        print(f"{recorded} of them failed in an earlier run and were not run again (their "
+              "failure is recorded in the cache): pass --retry-failed to run them",
+              file=sys.stderr)
     return 1 if failed else 0
 
 
