@@ -25,9 +25,10 @@ process takes (as MosaicML's streaming evicts before it downloads): the least re
 shards that nobody has pinned are evicted until the published shards, the ones being made and
 the new one fit, and a reservation (``.<key>.<pid>.<rand>.tmp.room``, an empty file) says that a
 shard is being made; at publication room is made again with the shard's real size (never
-waiting: the shard is on disk already), then it is renamed into place and its reservation goes. A byte limit counts a shard being made as large as
-the largest shard seen so far. A shard is pinned (a shared ``flock``) while it is read, and from
-before it is published until its producer has read it. Shards that another process has pinned
+waiting: the shard is on disk already), then it is renamed into place and its reservation
+goes. A byte limit counts a shard being made as large as the largest shard seen so far. A shard
+is pinned (a shared ``flock``) while it is read, and from before it is published until its
+producer has read it. Shards that another process has pinned
 or is making count against that process's limit: this one evicts around them but never waits for
 them. So one process keeps the directory within its limit, temp files included, whatever its
 number of producers; several processes with different limits all go on (see docs/caches.md for
