@@ -342,3 +342,23 @@ def test_cache_dir_deleted_while_a_generator_runs_is_recreated(tmp_path, caplog)
     assert os.listdir(tmp_path / "cache") == ["k1.npy"]
     assert any("was deleted" in r.getMessage() and r.levelname == "WARNING"
                for r in caplog.records)
+
+
+def test_through_the_parent_death_wrapper_the_program_sees_its_own_env_and_errors(tmp_path):
+    """On Linux a program starts through a small Python image that sets its parent-death
+    signal: it must see exactly the env it was given (no LC_CTYPE from Python's locale
+    coercion), and a program that cannot be started is still the OSError Popen raised."""
+    out, closed = tmp_path / "env", threading.Event()
+    runner = _process.ProgramRunner()
+    env = {"PATH": "/usr/bin:/bin", "GS_TEST": "1"}
+    result = runner.run(["sh", "-c", 'env > "$0"', str(out)], timeout=30, env=env, closed=closed)
+    assert result.returncode == 0, result.stderr_tail
+    seen = dict(line.split("=", 1) for line in out.read_text().splitlines() if "=" in line)
+    assert seen["GS_TEST"] == "1" and "LC_CTYPE" not in seen
+    assert not [name for name in seen if name.startswith("PYTHON")]
+    script = tmp_path / "not-executable"
+    script.write_text("#!/bin/sh\n")
+    with pytest.raises(PermissionError):
+        runner.run([str(script)], timeout=30, env=None, closed=closed)
+    with pytest.raises(FileNotFoundError):
+        runner.run([str(tmp_path / "missing")], timeout=30, env=None, closed=closed)
