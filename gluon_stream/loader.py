@@ -219,14 +219,16 @@ class StreamLoader(Closing):
         if self.shuffle_window > 1 and not stream.shuffle:
             raise ValueError(f"shuffle_window={shuffle_window} mixes the samples of several "
                              "shards for shuffle=True; pass shuffle=True (and a seed)")
-        if even_batches and stream.deal != "shards" and stream.on_error == "skip":
+        if even_batches and stream.deal != "shards" and stream.on_error == "skip" \
+                and not stream.source.agrees_on_failures:
             raise ValueError(
                 f"even_batches={even_batches!r} with on_error='skip' cannot keep every rank's "
                 f"batch count equal when every rank takes strides of every shard (deal="
                 f"{stream.deal!r}: shard sizes unknown, or fewer keys than ranks): a shard that "
                 "fails on one rank only leaves that rank short, and synchronous training hangs. "
-                "Pass shard_sizes= (and as many keys as ranks), or on_error='raise' or "
-                "('retry', n)")
+                "Give the ranks one shared cache_dir without cache_limit (a failure is recorded "
+                "there, so every rank skips it), pass shard_sizes= (and as many keys as ranks), "
+                "or on_error='raise' or ('retry', n)")
         self.even_batches: bool | str = even_batches
         self.thread_pool = thread_pool
         self.batchify_fn = batchify_fn

@@ -412,6 +412,11 @@ class ShardStream(Closing):
         return remainder.pieces[index].epoch if remainder is not None \
             and remainder.is_piece(index) else epoch
 
+    def forget_failure(self, key: Any, epoch: int) -> None:
+        """Forget a failure of shard ``key`` recorded in the cache, so that a retry makes it
+        again (``on_error=('retry', n)``; see :meth:`CachingSource.retry_failures`)."""
+        self.source.retry_failures([key], epoch)
+
     def row_order(self, key: Any, epoch: int, length: int, index: int = -1,
                   before: int | None = None) -> np.ndarray | None:
         """The rows of a shard this part reads, in order (None: all of them, as they are);

@@ -329,7 +329,7 @@ def maker(cache, name, size=3):
 
 
 def waited_for_room(caplog) -> bool:
-    return any("waiting for one to be released" in r.getMessage() for r in caplog.records)
+    return any("waits for one to be released" in r.getMessage() for r in caplog.records)
 
 
 def test_room_is_made_before_publishing_never_over_the_limit(tmp_path, caplog):
@@ -390,6 +390,43 @@ def test_a_cache_that_stays_pinned_raises_rather_than_exceed_its_limit(tmp_path)
                                             r"\(100 bytes\)"):
         small.get_or_create("big", maker(small, "big", size=1000))
     assert os.listdir(tmp_path / "small") == []
+
+
+def test_a_shard_in_use_elsewhere_counts_against_the_other_limit(tmp_path):
+    """Another process (here another cache on the directory) reading a shard does not make
+    this one wait: it evicts what it can and makes its shard (was: CacheFull after
+    lock_timeout, or a hang beside a larger limit). Its own reads still fill its limit."""
+    mine = LocalShardCache(tmp_path, lock_timeout=0.5, limit=1)
+    other = LocalShardCache(tmp_path, lock_timeout=0.5, limit=3)
+    a, _ = other.get_or_create("a", maker(other, "a"))
+    c, _ = other.get_or_create("c", maker(other, "c"))
+    with other.reading(a):
+        assert mine.get_or_create("b", maker(mine, "b")) == (str(tmp_path / "b.npy"), False)
+        assert cached(tmp_path) == ["a.npy", "b.npy"]  # c, unpinned, went; a is the other's
+        with mine.reading(str(tmp_path / "b.npy")), pytest.raises(gs.CacheFull):
+            mine.get_or_create("d", maker(mine, "d"))  # its own read fills its limit
+    assert cached(tmp_path) == ["a.npy", "b.npy"] and hidden_files(tmp_path) == []
+
+
+@pytest.mark.timeout(60)
+def test_shards_growing_past_their_reservations_publish_without_waiting(tmp_path, caplog):
+    """Two producers make 704-byte shards at once under '1000B', room reserved at the 192
+    bytes seen so far: each shard, already on disk, publishes (was: each waited for the other,
+    counted at the new size, to publish: stuck for lock_timeout, then CacheFull)."""
+    caplog.set_level(logging.INFO, logger="gluon_stream")
+    both = threading.Barrier(2, timeout=10)
+
+    def make(key):
+        if key in (1, 2):
+            both.wait()  # the two large shards are made at once
+        return np.zeros(8 if key == 0 else 72)  # files of 192 bytes, then of 704
+
+    src = gs.FunctionSource(range(4), make, cache_dir=tmp_path, cache_limit="1000B",
+                            lock_timeout=5)
+    with gs.ShardStream(src, producers=2, prefetch=1, generate_ahead=0) as stream:
+        assert [len(shard.arrays[0]) for shard in stream] == [8, 72, 72, 72]
+    assert sum(os.path.getsize(tmp_path / name) for name in cached(tmp_path)) <= 1000
+    assert hidden_files(tmp_path) == []
 
 
 _LOCKER = r"""
@@ -931,3 +968,120 @@ def test_cache_limit_1_with_shards_made_at_once_does_not_deadlock(tmp_path):
         loader.close()
     assert sorted(rows) == sorted(v for k in range(4) for v in shard(k).tolist())
     assert len([p for p in tmp_path.iterdir() if p.suffix == ".npy"]) <= 1
+
+
+_SHARER = r"""
+import json, os, sys, threading, time
+import numpy as np
+import gluon_stream as gs
+from gluon_stream.cache import LocalShardCache
+from gluon_stream.cache.room import RESERVATION
+
+cache, gate, limit, producers, prefetch, ahead = sys.argv[1:7]
+limit = int(limit) if limit.isdigit() else limit
+mine = f".{os.getpid()}."
+seen = {"reserved": 0}
+done = threading.Event()
+
+def watch():  # the shards this process is making, as its reservations show them
+    while not done.is_set():
+        names = os.listdir(cache)
+        seen["reserved"] = max(seen["reserved"], sum(1 for n in names
+                                                     if mine in n and n.endswith(RESERVATION)))
+        time.sleep(0.001)
+
+def shard(key):
+    time.sleep(0.02)
+    return np.arange(7, dtype=np.int64) + 100 * key
+
+checks = {"additions": 0, "broken": []}
+make_room = LocalShardCache._make_room
+
+def checked(self, name, size, replacing=True, **older):
+    # the rule of docs/caches.md, checked where room is made for a new shard, under the lock
+    # (so no shard or reservation is added meanwhile): everything fits the limit, or every
+    # shard left was pinned when eviction tried it and this process's own shards being made,
+    # with the new one, fit the limit
+    if replacing or not isinstance(limit, int):
+        return make_room(self, name, size, replacing, **older)
+    refused, try_evict = set(), self.try_evict
+    def trying(path):
+        gone = try_evict(path)
+        if not gone:
+            refused.add(path)
+        return gone
+    self.try_evict = trying
+    try:
+        fits = make_room(self, name, size, replacing, **older)
+    finally:
+        del self.try_evict
+    if fits:
+        finished = {path for _, path, _ in self.listing()}
+        making = sum(1 for n in os.listdir(cache) if n.endswith(RESERVATION))
+        own = len(self._room._reserved) + 1
+        if len(finished) + making + 1 > limit and (finished - refused or own > limit):
+            checks["broken"].append((name, len(finished), making, own))
+        checks["additions"] += 1
+    return fits
+
+LocalShardCache._make_room = checked
+
+open(os.path.join(gate, f"ready-{os.getpid()}"), "x").close()
+deadline = time.monotonic() + 60
+while not os.path.exists(os.path.join(gate, "go")) and time.monotonic() < deadline:
+    time.sleep(0.005)  # all start at once (imports take different times)
+
+src = gs.FunctionSource(range(24), shard, cache_dir=cache, cache_limit=limit, lock_timeout=60)
+watcher = threading.Thread(target=watch, name="gluon_stream-test-watcher")
+watcher.start()
+try:
+    with gs.ShardStream(src, producers=int(producers), prefetch=int(prefetch),
+                        generate_ahead=ahead if ahead == "auto" else int(ahead)) as stream:
+        with gs.StreamLoader(stream, batch_size=5) as loader:
+            batches = [b.asnumpy().tolist() for b in loader]
+finally:
+    done.set()
+    watcher.join()
+print(json.dumps({"batches": batches, "reserved": seen["reserved"], **checks}))
+"""
+
+
+@pytest.mark.mxnet
+@pytest.mark.timeout(240)
+def test_processes_with_different_limits_on_one_cache_all_finish(tmp_path):
+    """Real processes share one cache_dir with different cache_limits, producers and
+    prefetch. Each finishes with every batch exact, never making more shards at once than its
+    own limit (was: the limit-2 process waited for room holding the eviction lock, which the
+    limit-6 one needed to publish the shard that would end the wait: both stuck until
+    lock_timeout). Each checks the rule of docs/caches.md wherever it makes room. A hang fails
+    the test at the timeout instead of hanging the suite."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    settings = [(2, 2, 2, "auto"), (6, 2, 2, "auto"), (1, 3, 2, "0"), ("400B", 3, 3, "1")]
+    rows = [v for k in range(24) for v in range(100 * k, 100 * k + 7)]
+    expected = [rows[i:i + 5] for i in range(0, len(rows), 5)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+        os.path.dirname(os.path.dirname(gs.__file__)), os.environ.get("PYTHONPATH")]))}
+    procs = [subprocess.Popen([sys.executable, "-c", _SHARER, str(cache), str(tmp_path)]
+                              + [str(s) for s in setting], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env)
+             for setting in settings]
+    try:
+        wait_for(lambda: len(list(tmp_path.glob("ready-*"))) == len(procs)
+                 or any(p.poll() is not None for p in procs), 60, "the processes to start")
+        (tmp_path / "go").touch()
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            if not p.stdout.closed:  # its pipes, on the way out of a failure
+                p.communicate(timeout=JOIN_S)
+    assert [p.returncode for p in procs] == [0] * len(procs), [err[-2000:] for _, err in outs]
+    for setting, (out, _) in zip(settings, outs):
+        result = json.loads(out)
+        assert result["batches"] == expected, setting
+        assert result["reserved"] >= 1 and result["broken"] == [], (setting, result)
+        if isinstance(setting[0], int):  # a byte limit counts bytes, not shards
+            assert result["reserved"] <= setting[0] and result["additions"] >= 1, setting
+    assert hidden_files(cache) == []

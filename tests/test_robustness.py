@@ -257,7 +257,9 @@ def test_command_failures_with_skip_drop_exactly_those_shards(tmp_path, caplog):
     bad = ("k1", "k3", "k4", "k6")
     assert {m for m in bad if any(repr(m) in r.getMessage() for r in skips)} == set(bad)
     assert "wrote no file" in skips[-1].getMessage()
-    assert sorted(os.listdir(tmp_path / "cache")) == ["k0.npy", "k2.npy", "k5.npy"]
+    assert sorted(os.listdir(tmp_path / "cache")) == ["k0.npy", "k1.failed.json", "k2.npy",
+                                                      "k3.failed.json", "k4.failed.json",
+                                                      "k5.npy", "k6.failed.json"]
 
 
 def _values(key, rows):
@@ -597,3 +599,55 @@ def test_200_shard_rotations_with_two_worker_processes_keep_fds_and_children_fla
     assert max(c[2] for c in counts) <= 2, counts  # one pool of two workers at a time
     assert counts[-1][1:] == counts[0][1:], counts  # closed: back to where it started
     assert pool_workers() == []
+
+
+_KILLED_LOADER = r"""
+import signal, sys
+sys.path.insert(0, {tests!r})
+signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as `kill` finds a plain training script
+import gluon_stream as gs
+from fake_generator import command
+src = gs.CommandSource(["k0", "k1", "k2", "k3"], command("slow", workdir={work!r}, gate=True),
+                       cache_dir={cache!r}, timeout=600, retries=0)
+for batch in gs.StreamLoader(src, batch_size=4, producers=2):
+    pass
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_generators_die_with_a_loader_killed_outright(tmp_path, how):
+    """A loader killed by SIGTERM (default disposition) or SIGKILL runs no code: its generators
+    (a process group of their own each) get SIGKILL from the parent-death signal set in them,
+    within a few seconds; the next loader on the cache removes their temp files and makes every
+    shard (was: the generators ran on, their temp files in the cache)."""
+    cache = tmp_path / "cache"
+    code = _KILLED_LOADER.format(tests=os.path.dirname(__file__), work=str(tmp_path),
+                                 cache=str(cache))
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: len(read_lines(tmp_path / "started")) == 2 or proc.poll() is not None,
+                 60, "two generators to write half a shard")
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        generators = [int(pid) for pid in read_lines(tmp_path / "pids")]
+        assert len(generators) == 2 and not any(dead(pid) for pid in generators)
+        os.kill(proc.pid, how)
+        proc.communicate(timeout=JOIN_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=JOIN_S)
+    assert proc.returncode == -how
+    try:
+        wait_for(lambda: all(dead(pid) for pid in generators), 5, "the generators to die")
+    finally:
+        for pid in generators:  # a failure must not leave them running
+            if not dead(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert [n for n in os.listdir(cache) if ".tmp" in n]  # half-written shards left behind
+    (tmp_path / "gate").touch()
+    keys = ["k0", "k1", "k2", "k3"]
+    with gs.ShardStream(gs.CommandSource(keys, command("ok"), cache_dir=cache)) as stream:
+        assert [shard.key for shard in stream] == keys
+    assert sorted(os.listdir(cache)) == [f"{k}.npy" for k in keys]  # no temp or lock files

@@ -27,6 +27,9 @@ from gluon_stream.sources import _process
 
 # -- generator failures ------------------------------------------------------------------------
 
+FAILED_K1 = ["k1.failed.json"]  # only the failure, recorded beside the shard (no temp file)
+
+
 def test_nonzero_exit_raises_shard_error_after_the_retries_with_the_stderr_tail(tmp_path):
     with source(tmp_path, "exit-nonzero", retries=2) as src:
         with pytest.raises(gs.ShardError, match=r"(?s)'k1'.*exit code 3.*upstream data missing") as info:
@@ -36,7 +39,7 @@ def test_nonzero_exit_raises_shard_error_after_the_retries_with_the_stderr_tail(
     assert err.key == "k1" and err.returncode == 3 and err.argv[0] == sys.executable
     assert err.stderr_tail.endswith("cannot produce k1: upstream data missing")
     assert "gave up after 3 attempts" in str(err)
-    assert hidden_files(tmp_path / "cache") == [] and os.listdir(tmp_path / "cache") == []
+    assert hidden_files(tmp_path / "cache") == [] and os.listdir(tmp_path / "cache") == FAILED_K1
 
 
 @pytest.mark.timeout(60)
@@ -53,7 +56,7 @@ def test_hang_raises_shard_timeout_and_kills_the_whole_process_group(tmp_path, m
     assert len(pids) == (2 if mode == "grandchild-hang" else 1)
     for pid in pids:
         wait_for(lambda: dead(pid), 5, f"pid {pid} to die")
-    assert os.listdir(tmp_path / "cache") == []
+    assert os.listdir(tmp_path / "cache") == FAILED_K1
 
 
 def test_a_grandchild_left_running_by_a_successful_generator_is_killed(tmp_path):
@@ -87,7 +90,7 @@ def test_exit_zero_without_a_file_fails_at_once_without_polling(tmp_path):
         with pytest.raises(gs.ShardError, match=r"exited 0 but wrote no file"):
             src.produce("k1", 0)
     assert len(runs(tmp_path)) == 2  # each run checked once: no waiting for a file to appear
-    assert os.listdir(tmp_path / "cache") == []
+    assert os.listdir(tmp_path / "cache") == FAILED_K1
 
 
 @pytest.mark.parametrize("mode, reason", [
@@ -102,7 +105,7 @@ def test_bad_output_raises_corrupt_shard_and_leaves_no_file(tmp_path, mode, reas
         with pytest.raises(gs.CorruptShard, match=reason) as info:
             src.produce("k1", 0)
     assert "delete it" in str(info.value)  # the fix is in the message
-    assert os.listdir(tmp_path / "cache") == []  # the bad temp file is gone, nothing cached
+    assert os.listdir(tmp_path / "cache") == FAILED_K1  # the bad temp file is gone, nothing cached
 
 
 @pytest.mark.parametrize("mode", ["pickle", "object"])
@@ -112,7 +115,7 @@ def test_pickles_and_object_arrays_are_unsafe_and_never_unpickled(tmp_path, mode
             src.produce("k1", 0)
     assert len(runs(tmp_path)) == 1  # unsafe output is not retried
     assert not list(tmp_path.rglob("*.marker"))
-    assert os.listdir(tmp_path / "cache") == []
+    assert os.listdir(tmp_path / "cache") == FAILED_K1
 
 
 def test_the_pickle_payload_is_really_hostile(tmp_path):
@@ -236,7 +239,7 @@ def test_a_directory_at_path_is_a_shard_error_and_is_removed(tmp_path):
         with pytest.raises(gs.ShardError, match=r"made a directory at .*\(removed\); it must "
                                                 r"write a regular file"):
             src.produce("k1", 0)
-    assert os.listdir(tmp_path / "cache") == []
+    assert os.listdir(tmp_path / "cache") == FAILED_K1
 
 
 def test_a_directory_left_at_a_temp_path_by_a_crashed_run_is_cleaned_up(tmp_path):
@@ -256,7 +259,7 @@ def test_a_fifo_at_path_is_never_opened(tmp_path):
     with source(tmp_path, "fifo") as src:
         with pytest.raises(gs.ShardError, match=r"made a FIFO, socket or device at .*\(removed\)"):
             src.produce("k1", 0)
-    assert os.listdir(tmp_path / "cache") == []
+    assert os.listdir(tmp_path / "cache") == FAILED_K1
 
 
 @pytest.mark.timeout(60)
@@ -288,7 +291,7 @@ def test_numpy_adding_a_suffix_to_path_is_explained_and_cleaned_up(tmp_path, mod
                            ) as info:
             src.produce("k1", 0)
     assert ("suffix='.npz'" in str(info.value)) is (mode == "np-savez")
-    assert os.listdir(tmp_path / "cache") == []
+    assert os.listdir(tmp_path / "cache") == FAILED_K1
 
 
 def test_a_short_write_while_caching_a_function_shard_is_disk_full(tmp_path, monkeypatch):
@@ -339,3 +342,23 @@ def test_cache_dir_deleted_while_a_generator_runs_is_recreated(tmp_path, caplog)
     assert os.listdir(tmp_path / "cache") == ["k1.npy"]
     assert any("was deleted" in r.getMessage() and r.levelname == "WARNING"
                for r in caplog.records)
+
+
+def test_through_the_parent_death_wrapper_the_program_sees_its_own_env_and_errors(tmp_path):
+    """On Linux a program starts through a small Python image that sets its parent-death
+    signal: it must see exactly the env it was given (no LC_CTYPE from Python's locale
+    coercion), and a program that cannot be started is still the OSError Popen raised."""
+    out, closed = tmp_path / "env", threading.Event()
+    runner = _process.ProgramRunner()
+    env = {"PATH": "/usr/bin:/bin", "GS_TEST": "1"}
+    result = runner.run(["sh", "-c", 'env > "$0"', str(out)], timeout=30, env=env, closed=closed)
+    assert result.returncode == 0, result.stderr_tail
+    seen = dict(line.split("=", 1) for line in out.read_text().splitlines() if "=" in line)
+    assert seen["GS_TEST"] == "1" and "LC_CTYPE" not in seen
+    assert not [name for name in seen if name.startswith("PYTHON")]
+    script = tmp_path / "not-executable"
+    script.write_text("#!/bin/sh\n")
+    with pytest.raises(PermissionError):
+        runner.run([str(script)], timeout=30, env=None, closed=closed)
+    with pytest.raises(FileNotFoundError):
+        runner.run([str(tmp_path / "missing")], timeout=30, env=None, closed=closed)

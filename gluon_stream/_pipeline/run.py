@@ -82,6 +82,10 @@ class ShardMaker(Protocol):
     def made_epoch(self, epoch: int, index: int) -> int:
         """The epoch whose shard is at position ``index`` of ``epoch``."""
 
+    def forget_failure(self, key: Any, epoch: int) -> None:
+        """Forget a failure of shard ``key`` (made for ``epoch``) recorded in the cache, so
+        that a retry makes it again."""
+
     def remainder_of(self, epoch: int) -> Remainder | None:
         """The remainder read in place of ``epoch``'s keys, if any."""
 
@@ -446,6 +450,7 @@ class EpochRun:
                     logger.warning("shard %r failed (%s); retry %d/%d", key, summary, attempts,
                                    policy.retries)
                     logger.debug("shard %r failure in full: %s", key, exc)
+                    stream.forget_failure(key, stream.made_epoch(self.epoch, index))
                     fut = self._submit(key, index)
                     continue
                 if policy.mode == "skip":

@@ -8,8 +8,9 @@ lost its ``recipe`` argument raised a ``TypeError`` in ``len(loader)`` only at r
 A shard handed out by :meth:`ShardCache.pinned` or being read in :meth:`ShardCache.reading`
 is *pinned*: no eviction removes it, in any process (a shared ``flock`` on a local file) or at
 least in this one (an object store has no locks). Pins last while a shard is made and read,
-milliseconds to seconds, so a cache that must make room waits for them (bounded by
-``lock_timeout``) rather than exceed ``cache_limit``.
+milliseconds to seconds, so a cache that must make room waits for its own (bounded by
+``lock_timeout``) rather than exceed ``cache_limit``; never for another process's, which count
+against that process's limit (see :mod:`.room`).
 """
 from __future__ import annotations
 
@@ -58,6 +59,10 @@ class ShardCache(Protocol):
 
     def evict(self, path: str) -> None:
         """Remove a finished shard (it is unreadable); gone already is fine."""
+
+    def retry_failures(self, names: list[str] | None = None) -> list[str]:
+        """Forget the failures recorded for ``names`` (None: all): they are made again when
+        next asked for. The names whose record went (none where failures are not recorded)."""
 
     def recorded_sizes(self) -> Mapping[str, Mapping[str, Any]]:
         """Shard name -> ``{"samples", "recipe"}`` recorded when the cache was filled ahead."""

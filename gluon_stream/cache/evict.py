@@ -3,8 +3,9 @@
 A shard is *pinned* by a shared ``flock`` on its file: held by a reader while it loads it, and
 by the producer that made it from before it is published until it is read. Eviction takes the
 exclusive lock without waiting, so a pinned shard is skipped, never removed under its reader.
-Room is made before a shard is published (see ``LocalShardCache``), so the cache never holds
-more than ``cache_limit``.
+Room is made before a shard is published (see ``LocalShardCache``), so a process alone never
+holds more than its ``cache_limit``; shards other processes have pinned or are making count
+against their own limits (see :mod:`.room`).
 """
 from __future__ import annotations
 
@@ -79,11 +80,18 @@ class CacheLimit:
 
 
 def evict_lru(shards: Iterable[tuple[float, str, int]], limit: CacheLimit,
-              try_evict: Callable[[str], bool], incoming: tuple[int, int] = (0, 0)) -> bool:
-    """Evict the least recently used of ``shards`` ((last used, path, bytes)) until they and
-    ``incoming`` ((shards, bytes) about to be added) fit ``limit``; True if they fit now.
+              try_evict: Callable[[str], bool], incoming: tuple[int, int] = (0, 0),
+              elsewhere: tuple[int, int] = (0, 0),
+              pinned_here: Callable[[str], bool] = lambda path: True) -> bool:
+    """Evict the least recently used of ``shards`` ((last used, path, bytes)) until they,
+    ``incoming`` ((shards, bytes) this process adds or is making) and ``elsewhere`` ((shards,
+    bytes) other processes are making) fit ``limit``; True if they fit now, or if all that
+    keeps them over is in use by other processes.
 
-    A shard ``try_evict`` refuses (pinned: being read, or just made) stays.
+    A shard ``try_evict`` refuses (pinned: being read, or just made) stays. One that is not
+    ``pinned_here`` (by this process) is in use elsewhere: like ``elsewhere``, it counts
+    against the other process's limit, so this one evicts what it can for it but never
+    waits for it (a smaller limit in one process must not wait on a larger one in another).
 
     Example:
         >>> gone = []
@@ -92,19 +100,24 @@ def evict_lru(shards: Iterable[tuple[float, str, int]], limit: CacheLimit,
         True
         >>> gone
         ['a']
+        >>> evict_lru([(1.0, "a", 1)], CacheLimit(1), lambda path: False, incoming=(1, 1),
+        ...           pinned_here=lambda path: False)  # a: read by another process
+        True
     """
     shards = sorted(shards)
-    count = len(shards) + incoming[0]
-    total = sum(size for _, _, size in shards) + incoming[1]
+    count = len(shards) + incoming[0] + elsewhere[0]
+    total = sum(size for _, _, size in shards) + incoming[1] + elsewhere[1]
+    theirs, their_bytes = elsewhere
     for _, path, size in shards:
         if not limit.over(count, total):
             break
-        if not try_evict(path):
-            continue
-        count, total = count - 1, total - size
-        logger.info("cache_limit: evicted %s (%d shards, %d bytes with the one to add)", path,
-                    count, total)
-    return not limit.over(count, total)
+        if try_evict(path):
+            count, total = count - 1, total - size
+            logger.info("cache_limit: evicted %s (%d shards, %d bytes with the ones to add)",
+                        path, count, total)
+        elif not pinned_here(path):
+            theirs, their_bytes = theirs + 1, their_bytes + size
+    return not limit.over(count - theirs, total - their_bytes)
 
 
 def evict_if_unread(path: str) -> bool:

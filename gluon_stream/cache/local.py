@@ -2,7 +2,8 @@
 
 Layout: ``<key>.npy``/``<key>.npz`` finished shards, ``.<key>.<pid>.<rand>.tmp.npy`` a
 generation in progress, ``.<key>.lock`` the per-key lock and ``.cache-evict.lock`` the
-eviction lock (each removed by its holder). A generation writes a private temp file that is
+eviction lock (each removed by its holder), ``<key>.failed.json`` a generation that failed
+(see :mod:`.failures`). A generation writes a private temp file that is
 validated, then renamed into place, so a reader never sees half a shard. Temp files (and
 directories a generator made at its temp path) and lock files left by crashed runs are removed
 at the next start; symlinks are never followed, and only regular files are read.
@@ -20,18 +21,22 @@ cache; a file system without extended attributes gets one WARNING and no detecti
 
 With ``cache_limit``, room is made *before* a shard is generated (see :mod:`.room`, whose
 :class:`~.room.CacheRoom` this cache holds), under the eviction lock that every generating
-process takes (as MosaicML's streaming evicts before it downloads): the
-least recently used shards that nobody has pinned are evicted until the published shards, the
-ones being made and the new one fit, and a reservation (``.<key>.<pid>.<rand>.tmp.room``, an
-empty file) says that a shard is being made; at publication room is checked again with the
-shard's real size, then it is renamed into place and its reservation goes. So the directory
-never holds more than the limit, temp files included, whatever the number of producers and
-processes. A byte limit counts a shard being made as large as the largest shard seen so far. A shard is pinned (a shared
-``flock``) while it is read, and from before it is published until its producer has read it.
-If every cached shard is pinned, the publisher waits for one to be released (they are held
-for the time of a read), at most ``lock_timeout``, then raises :class:`~gluon_stream.ShardError`
-saying to raise ``cache_limit``: waiting keeps a limit close to the shards in flight working,
-and the bound turns a reader that never lets go into an error rather than a hang. Recency is
+process takes (as MosaicML's streaming evicts before it downloads): the least recently used
+shards that nobody has pinned are evicted until the published shards, the ones being made and
+the new one fit, and a reservation (``.<key>.<pid>.<rand>.tmp.room``, an empty file) says that a
+shard is being made; at publication room is made again with the shard's real size (never
+waiting: the shard is on disk already), then it is renamed into place and its reservation
+goes. A byte limit counts a shard being made as large as the largest shard seen so far. A shard
+is pinned (a shared ``flock``) while it is read, and from before it is published until its
+producer has read it. Shards that another process has pinned
+or is making count against that process's limit: this one evicts around them but never waits for
+them. So one process keeps the directory within its limit, temp files included, whatever its
+number of producers; several processes with different limits all go on (see docs/caches.md for
+how their shards count). If this process's own shards in use fill its limit, the generation
+waits for one to be released (they are held for the time of a read), with the eviction lock
+released, at most ``lock_timeout``, then raises :class:`~gluon_stream.CacheFull` saying to raise
+``cache_limit``: waiting keeps a limit close to the shards in flight working, and the bound turns
+a reader that never lets go into an error rather than a hang. Recency is
 the file's modification time, set on every read; a time in the future (a skewed clock, a
 restored backup) is reset to now when eviction first sees it, so such a shard ages like any
 other instead of counting as the most recently used forever.
@@ -42,6 +47,7 @@ running is recreated (one WARNING) and the shard being made is made again.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import fcntl
@@ -59,6 +65,7 @@ from .._utils.files import TEMP_MARKER, remove_if_exists
 from ..shardfile import inspect_shard, open_regular
 from .base import Create, Recipe
 from .evict import CacheLimit, evict_if_unread
+from .failures import drop_failures, read_failure, worth_recording, write_failure
 from .leftovers import remove_leftovers
 from .lock import LOCK_SUFFIX, exclusive
 from .recipe import describe_change, normalized, read_recipe, write_recipe
@@ -97,6 +104,9 @@ class LocalShardCache:
         ...     arrays = load_shard(path)
     """
 
+    #: Whether failed generations are recorded beside the shard, for every process to see.
+    remembers_failures = True
+
     def __init__(self, cache_dir: str | os.PathLike, lock_timeout: float,
                  closed: threading.Event | None = None, limit: int | str | None = None,
                  on_change: str = "regenerate") -> None:
@@ -113,6 +123,8 @@ class LocalShardCache:
         self.closed = closed if closed is not None else threading.Event()
         self._told: set[str] = set()  # one-time log lines already written
         self._told_lock = threading.Lock()
+        self._held: collections.Counter[tuple[int, int]] = collections.Counter()  # our pins
+        self._held_lock = threading.Lock()
         self.read_only = not os.access(self.root, os.W_OK)
         if self.read_only:
             self.tell_once("read-only", logging.INFO, "cache_dir %s is read-only: serving the "
@@ -124,13 +136,15 @@ class LocalShardCache:
     def __getstate__(self) -> dict:
         """Picklable (for a remote executor): the closed flag stays with this process."""
         state = dict(self.__dict__)
-        del state["closed"], state["_told_lock"]
+        del state["closed"], state["_told_lock"], state["_held"], state["_held_lock"]
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.closed = threading.Event()
         self._told_lock = threading.Lock()
+        self._held = collections.Counter()
+        self._held_lock = threading.Lock()
 
     def tell_once(self, what: str, level: int, message: str, *args: Any) -> bool:
         """Log ``message`` the first time ``what`` happens in this cache; True if it was logged
@@ -221,7 +235,8 @@ class LocalShardCache:
             return None
         try:
             fcntl.flock(fp.fileno(), fcntl.LOCK_SH)  # waits only while an evictor deletes it
-            if os.fstat(fp.fileno()).st_ino != os.stat(path).st_ino:
+            held = _identity(os.fstat(fp.fileno()))
+            if held != _identity(os.stat(path)):
                 raise FileNotFoundError(path)
         except FileNotFoundError:
             fp.close()
@@ -229,12 +244,30 @@ class LocalShardCache:
         except BaseException:
             fp.close()
             raise
+        with self._held_lock:
+            self._held[held] += 1
         return fp
 
     def _unpin(self, pin: Any) -> None:
         """Release a pin from :meth:`_pin` (closing the file drops its lock)."""
-        if pin is not None:
-            pin.close()
+        if pin is None:
+            return
+        held = _identity(os.fstat(pin.fileno()))
+        with self._held_lock:
+            self._held[held] -= 1
+            if self._held[held] <= 0:
+                del self._held[held]
+        pin.close()
+
+    def pinned_here(self, path: str) -> bool:
+        """Whether this cache holds a pin on the finished shard ``path`` (a reader or producer
+        of this process); a shard pinned only elsewhere counts against another limit."""
+        try:
+            held = _identity(os.stat(path, follow_symlinks=False))
+        except FileNotFoundError:
+            return False
+        with self._held_lock:
+            return held in self._held
 
     @contextlib.contextmanager
     def reading(self, path: str) -> Iterator[str]:
@@ -363,6 +396,7 @@ class LocalShardCache:
                 pin = self._pin(path)
                 if pin is not None:
                     return path, True, pin
+            self._refuse_failed(name, recipe)
             reservation = self._reserve(name)
             try:
                 return self._create_reserved(name, create, recipe)
@@ -372,7 +406,11 @@ class LocalShardCache:
     def _create_reserved(self, name: str, create: Create,
                          recipe: Recipe) -> tuple[str, bool, Any]:
         """Make, record and publish the shard ``name`` (under its key's lock, room reserved)."""
-        tmp = create()
+        try:
+            tmp = create()
+        except BaseException as exc:
+            self._remember_failure(name, recipe, exc)
+            raise
         try:
             if os.path.islink(tmp):
                 raise UnsafeShard(f"shard {name!r}: the generator left a symlink at {tmp!r}; "
@@ -381,10 +419,50 @@ class LocalShardCache:
             if recipe is not None:
                 self._record(tmp, recipe)
             path, pin = self._publish(tmp, name)
-            return path, False, pin
         except BaseException:
             remove_if_exists(tmp)
             raise
+        if self.remembers_failures:
+            drop_failures(self.root, [name])  # made at last: a failure recorded before is old
+        return path, False, pin
+
+    # -- failures remembered beside the shard (see .failures) -------------------------------
+    def _refuse_failed(self, name: str, recipe: Recipe) -> None:
+        """Raise the failure recorded for ``name`` if ``recipe`` made it (under the key's
+        lock); a record of another recipe is dropped, and the shard made again."""
+        if not self.remembers_failures:
+            return
+        failure = read_failure(self.root, name)
+        if failure is None:
+            return
+        current = None if recipe is None else normalized(recipe)
+        if failure.recipe == current:
+            raise failure.error_for()
+        logger.info("shard %r failed before with another recipe (%s): making it again", name,
+                    describe_change(failure.recipe or {}, current or {}))
+        drop_failures(self.root, [name])
+
+    def _remember_failure(self, name: str, recipe: Recipe, exc: BaseException) -> None:
+        """Record that making ``name`` failed with ``exc`` (a failure of the generation), so
+        that no process makes it again until it is retried."""
+        if not self.remembers_failures or not worth_recording(exc):
+            return
+        try:
+            path = write_failure(self.root, name, None if recipe is None else normalized(recipe),
+                                 exc, self.temp_path(name, ".failed"))
+        except OSError as err:  # the failure itself is what the caller must see
+            logger.warning("cannot record the failure of shard %r in %s (%s): other processes "
+                           "will make it again", name, self.root, err)
+            return
+        logger.info("recorded the failure of shard %r in %s: no process makes it again until "
+                    "it is retried", name, path)
+
+    def retry_failures(self, names: list[str] | None = None) -> list[str]:
+        """Forget the recorded failures of ``names`` (None: all), so the shards are made again
+        when next asked for; the names whose record went."""
+        if self.read_only or not self.remembers_failures:
+            return []
+        return drop_failures(self.root, names)
 
     def _reserve(self, name: str) -> str | None:
         """With ``cache_limit``, make room for the shard ``name`` before it is made and leave a
@@ -394,9 +472,9 @@ class LocalShardCache:
         deadline = time.monotonic() + self.lock_timeout
         while True:  # waiting with the eviction lock released: shards being made publish
             with self._locked(EVICT_LOCK, lambda: self._lock_timeout_error(EVICT_LOCK)):
-                if self._make_room(name, self._room.largest, replacing=False, wait=False):
+                if self._make_room(name, self._room.largest, replacing=False):
                     return self._room.reserve(name, self.temp_path(name, RESERVATION))
-            self._room.pause(self, name, deadline)
+            self._room.pause(self, name, deadline)  # never waits holding the lock
 
     def _release(self, name: str, reservation: str | None) -> None:
         """Drop the reservation of ``name`` (published, or given up)."""
@@ -460,13 +538,26 @@ class LocalShardCache:
     @contextlib.contextmanager
     def _room_for(self, name: str, size: int, replacing: bool = True) -> Iterator[None]:
         """With ``cache_limit``, hold the eviction lock with room made for one more shard of
-        ``size`` bytes, so what the with-block publishes keeps the cache within the limit
-        (``replacing``: the shard then replaces a cached shard of the same key)."""
+        ``size`` bytes (``replacing``: the shard then replaces a cached shard of the same key),
+        for the with-block to publish it.
+
+        Never waits: the shard is on disk already, as a temp file its reservation made room
+        for, so publishing it adds nothing to the directory; room is made again with its real
+        size, evicting what can go. A shard larger than the reservation's estimate (the largest
+        seen) may leave a byte limit exceeded until the next reservation makes room: waiting here
+        instead would hang producers that each wait for the other's shard, estimated at the new
+        size, to be published (two growing shards under a limit that holds one of them)."""
         if not self._room.bounded:
             yield
             return
         with self._locked(EVICT_LOCK, lambda: self._lock_timeout_error(EVICT_LOCK)):
-            self._make_room(name, size, replacing)
+            if not self._make_room(name, size, replacing):
+                self.tell_once("over", logging.INFO,
+                               "cache_limit (%s): shard %r (%d bytes) is larger than the room "
+                               "made for it, and the shards that could make up for it are in "
+                               "use: publishing it (it is on disk already); the next shards "
+                               "wait until %s is back within the limit", self._room.limit, name,
+                               size, self.root)
             yield
 
     def _place(self, tmp: str, name: str, suffix: str) -> str:
@@ -479,12 +570,12 @@ class LocalShardCache:
         return final
 
     # -- bounding the cache: what its CacheRoom asks of it (room.Shelf) ----------------------
-    def _make_room(self, name: str, size: int, replacing: bool = True,
-                   wait: bool = True) -> bool:
-        """Make room for one more shard of ``size`` bytes (see :meth:`CacheRoom.make`);
-        ``replacing``: it replaces the cached shard of the same key, which then does not count."""
+    def _make_room(self, name: str, size: int, replacing: bool = True) -> bool:
+        """Make room for one more shard of ``size`` bytes (see :meth:`CacheRoom.make`; never
+        waits); ``replacing``: it replaces the cached shard of the same key, which then does
+        not count. Whether it fits."""
         replaced = {self._final(name, suffix) for suffix in SUFFIXES} if replacing else set()
-        return self._room.make(self, name, size, replaced, wait)
+        return self._room.make(self, name, size, replaced)
 
     def where(self) -> str:
         """The cache's location, for messages."""
@@ -525,3 +616,8 @@ class LocalShardCache:
     def try_evict(self, path: str) -> bool:
         """Delete a finished shard unless someone has it pinned; True if it went."""
         return evict_if_unread(path)
+
+
+def _identity(info: os.stat_result) -> tuple[int, int]:
+    """A file's identity, kept through a rename (a temp file pinned, then published)."""
+    return info.st_dev, info.st_ino

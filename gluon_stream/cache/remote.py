@@ -63,6 +63,9 @@ class RemoteShardCache(LocalShardCache):
     read or written on the store until the first shard is asked for.
     """
 
+    #: No failure records: ``root`` is a directory of this host, which other hosts do not see.
+    remembers_failures = False
+
     def __init__(self, url: str, lock_timeout: float, closed: threading.Event | None = None,
                  limit: int | str | None = None, on_change: str = "regenerate") -> None:
         self.fs, path = fsspec().core.url_to_fs(url)
@@ -186,7 +189,7 @@ class RemoteShardCache(LocalShardCache):
             if self._pins[pin] <= 0:
                 del self._pins[pin]
 
-    def _pinned_here(self, path: str) -> bool:
+    def pinned_here(self, path: str) -> bool:
         with self._pins_lock:
             return self._pins[path] > 0
 
@@ -255,10 +258,9 @@ class RemoteShardCache(LocalShardCache):
             logger.debug("%s already removed", path)
 
     # -- bounding the cache ----------------------------------------------------------------------
-    def _make_room(self, name: str, size: int, replacing: bool = True,
-                   wait: bool = True) -> bool:
+    def _make_room(self, name: str, size: int, replacing: bool = True) -> bool:
         with storage_errors(self.url, name, "making room in"):
-            return super()._make_room(name, size, replacing, wait)
+            return super()._make_room(name, size, replacing)
 
     def listing(self) -> list[tuple[float, str, int]]:
         """(last modified, path, bytes) of every finished shard, listed afresh."""
@@ -278,7 +280,7 @@ class RemoteShardCache(LocalShardCache):
     def try_evict(self, path: str) -> bool:
         """Delete an object unless this process is reading it or has just made it (readers in
         other processes are not seen: they make the shard again)."""
-        if self._pinned_here(path):
+        if self.pinned_here(path):
             return False
         self._remove(path)
         return True

@@ -12,6 +12,7 @@ import sys
 from typing import Any, Sequence
 
 from ..cache import SUFFIXES as SHARD_SUFFIXES
+from ..cache.failures import RECORDED
 from ..errors import StreamError
 from .._pipeline.keys import validate_key
 from .._utils.progress import make_tqdm
@@ -51,6 +52,9 @@ def register(subparsers: Any) -> None:
                              "(0: no limit)")
     parser.add_argument("--retries", type=non_negative_int, default=2,
                         help="attempts per key after the first fails, with backoff")
+    parser.add_argument("--retry-failed", action="store_true",
+                        help="run again the keys whose failure is recorded in the cache (else "
+                             "they fail at once with the recorded error)")
     parser.add_argument("--suffix", choices=SHARD_SUFFIXES, default=".npy",
                         help="the file type the generator writes")
     parser.add_argument("--no-progress", dest="progress", action="store_false",
@@ -125,6 +129,8 @@ def run_generate(args: argparse.Namespace) -> int:
                                suffix=args.suffix, mmap=True)
     except (ValueError, TypeError, OSError) as exc:
         raise UsageError(str(exc)) from None
+    if args.retry_failed:
+        source.retry_failures(keys, args.epoch)
     failed: list[tuple[str, BaseException]] = []
     sizes: dict[str, int] = {}  # recorded for loaders: sizes known ahead, alike on every rank
     hits = 0
@@ -159,6 +165,11 @@ def run_generate(args: argparse.Namespace) -> int:
           f"({done - hits} generated, {hits} already cached, {len(failed)} failed)")
     for key, error in failed:
         print(_failure(key, error), file=sys.stderr)
+    recorded = sum(1 for _, error in failed if getattr(error, RECORDED, None))
+    if recorded:
+        print(f"{recorded} of them failed in an earlier run and were not run again (their "
+              "failure is recorded in the cache): pass --retry-failed to run them",
+              file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -127,6 +127,18 @@ class Source(Closing):
         without a cache makes nothing ahead: ``(None, True, 0.0)``."""
         return None, True, 0.0
 
+    @property
+    def agrees_on_failures(self) -> bool:
+        """Whether every process making this source's shards sees the same failures: a shard
+        fails once, is recorded in a cache they share, and is never made again (ranks can
+        then skip it alike); False here."""
+        return False
+
+    def retry_failures(self, keys: Iterable[Any] | None = None, epoch: int = 0) -> list[str]:
+        """Forget the recorded failures of ``keys`` (None: all) made for ``epoch``, so that
+        they are made again when next asked for; the shard names whose record went."""
+        return []
+
     def known_size(self, key: Any, epoch: int) -> int | None:
         """Sample count of a shard known before any process produces it, the same in every
         process (file headers; sizes recorded when a cache was filled ahead), else None.
@@ -186,6 +198,30 @@ class CachingSource(Source):
     def cache_room(self) -> int | None:
         limit = getattr(self._cache, "limit", None)
         return getattr(limit, "max_shards", None)
+
+    @property
+    def agrees_on_failures(self) -> bool:
+        """With a local ``cache_dir`` and no ``cache_limit``, every shard is made once for all
+        processes sharing the directory, and a failure is recorded beside it (see
+        :mod:`gluon_stream.cache.failures`): they all see the same failures. A ``cache_limit``
+        may evict a shard one rank read and make it again, failing, for another."""
+        cache = self._cache
+        return (cache is not None and getattr(cache, "remembers_failures", False)
+                and not getattr(getattr(cache, "limit", None), "bounded", False))
+
+    def retry_failures(self, keys: Iterable[Any] | None = None, epoch: int = 0) -> list[str]:
+        """Forget the recorded failures of ``keys`` (None: every one in the cache) made for
+        ``epoch``: the shards are made again when next asked for. Returns the shard names
+        whose record went.
+
+        Example:
+            >>> src.retry_failures(["2024-01-08"])  # doctest: +SKIP
+            ['2024-01-08']
+        """
+        if self._cache is None:
+            return []
+        names = None if keys is None else [self.cache_name(key, epoch) for key in keys]
+        return self._cache.retry_failures(names)
 
     def recipe(self, key: Any, epoch: int) -> Mapping[str, Any] | None:
         """What makes this key's shard (JSON-able); a cached shard made otherwise is stale."""

@@ -130,6 +130,7 @@ class CommandSource(CachingSource):
                 discard_path(tmp)
                 self._check_open()
                 if not self.retry.should_retry(exc, attempt):
+                    setattr(exc, "attempts", attempt + 1)  # recorded with the failure
                     if attempt and isinstance(exc, ShardError) and exc.args:
                         exc.args = (f"{exc.args[0]}\n(gave up after {attempt + 1} attempts; "
                                     "retries= sets how many)",)

@@ -36,7 +36,7 @@ import math
 import numbers
 import warnings
 from fractions import Fraction
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -281,6 +281,24 @@ class MixSource(Source):
         if isinstance(source, CachingSource) and source.cached:
             return source.ensure_file(inner, epoch)
         return None, True, 0.0
+
+    @property
+    def agrees_on_failures(self) -> bool:
+        """Whether every source sees the same failures in every process (see
+        :attr:`CachingSource.agrees_on_failures`)."""
+        return all(source.agrees_on_failures for source in self.sources.values())
+
+    def retry_failures(self, keys: Iterable[Any] | None = None, epoch: int = 0) -> list[str]:
+        """Forget the recorded failures of ``keys`` (``(name, inner key)``; None: all of every
+        source's): see :meth:`CachingSource.retry_failures`."""
+        if keys is None:
+            return [name for source in self.sources.values()
+                    for name in source.retry_failures(None, epoch)]
+        dropped = []
+        for key in keys:
+            _, source, inner = self._split(key)
+            dropped += source.retry_failures([inner], epoch)
+        return dropped
 
     def num_samples(self, key: Any, epoch: int) -> int | None:
         _, source, inner = self._split(key)
