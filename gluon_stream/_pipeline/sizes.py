@@ -86,7 +86,8 @@ class ShardSizes:
 
     def __init__(self, source: Source, transform: Any, declared: DeclaredSizes, deal: str,
                  num_parts: int, part_index: int, keys_of: KeysOf,
-                 remainder_of: Callable[[int], Any] = lambda epoch: None) -> None:
+                 remainder_of: Callable[[int], Any] = lambda epoch: None,
+                 seen: dict[tuple, int] | None = None) -> None:
         if isinstance(declared, int) and not isinstance(declared, bool):
             declared = _validate.integer("shard_sizes", declared, minimum=0)
         elif declared is not None and not (callable(declared) or isinstance(declared, Mapping)):
@@ -98,15 +99,14 @@ class ShardSizes:
         self._keys_of = keys_of
         self._remainder_of = remainder_of
         self._before: tuple[Any, list] = (None, [])  # a remainder, and its rows_before
-        self._seen: dict[tuple, int] = {}  # (key, epoch or None) -> samples seen
+        # (key, epoch or None) -> samples seen; ``seen``: another ShardSizes' (shared)
+        self._seen: dict[tuple, int] = {} if seen is None else seen
 
     def without_remainder(self, keys_of: KeysOf) -> "ShardSizes":
         """These sizes as a fresh job of this size counts an epoch: its keys (``keys_of``), an
         elastic resume's remainder aside; sizes seen in a pass are shared."""
-        fresh = ShardSizes(self.source, self.transform, self._declared, self.deal,
-                           self.num_parts, self.part_index, keys_of)
-        fresh._seen = self._seen
-        return fresh
+        return ShardSizes(self.source, self.transform, self._declared, self.deal,
+                          self.num_parts, self.part_index, keys_of, seen=self._seen)
 
     def remember(self, key: Any, epoch: int, full_size: int) -> None:
         """A shard turned out to hold ``full_size`` samples (for later passes' counts)."""
