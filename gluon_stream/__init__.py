@@ -11,10 +11,26 @@ from ._mx import import_mxnet
 from ._version import __version__
 from .diagnosis import Diagnosis
 from .elastic import merge_states
-from .errors import (BatchTimeout, CorruptShard, LoaderClosed, SchemaMismatch, ShardError,
-                     ShardTimeout, StreamError, UnsafeShard, WorkerDied)
-from .errors import (CacheFull, CheckpointConflict, CommandNotFound, InvalidState,
-                     MemoryBudgetTooSmall, SizeUnknown, StaleShard, UnbatchableShard, UnsafeKey)
+from .errors import (
+    BatchTimeout,
+    CacheFull,
+    CheckpointConflict,
+    CommandNotFound,
+    CorruptShard,
+    InvalidState,
+    LoaderClosed,
+    MemoryBudgetTooSmall,
+    SchemaMismatch,
+    ShardError,
+    ShardTimeout,
+    SizeUnknown,
+    StaleShard,
+    StreamError,
+    UnbatchableShard,
+    UnsafeKey,
+    UnsafeShard,
+    WorkerDied,
+)
 from .loader import StreamLoader
 from .metrics import Metrics, MetricsExporter
 from .shardfile import inspect_shard, load_shard, write_shard

@@ -34,13 +34,13 @@ import re
 import tempfile
 from typing import Any, Callable
 
-from ._utils import validate as _validate
-from ._mx import mxnet_available, import_mxnet
+from ._mx import import_mxnet, mxnet_available
 from ._mx.estimator import fit_handlers
+from ._utils import validate as _validate
+from ._utils.files import remove_if_exists
 from .elastic import merge_states
 from .errors import CheckpointConflict, InvalidState
 from .loader import StreamLoader
-from ._utils.files import remove_if_exists
 
 __all__ = ["STATE_SUFFIX", "StreamCheckpoint", "do_checkpoint", "load_checkpoint"]
 

@@ -33,9 +33,9 @@ from typing import Any, Generator, Mapping, Sequence
 
 import numpy as np
 
-from ._utils.closing import Closing
 from ._mx import data_iter_base, import_mxnet
 from ._mx.padding import pad_rows
+from ._utils.closing import Closing
 from .loader import StreamLoader
 
 __all__ = ["StreamIter"]

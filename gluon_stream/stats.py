@@ -14,9 +14,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple
 
+from ._utils.timeline import TRAIN_LANE, plot_timeline, write_chrome_trace
 from .diagnosis import Diagnosis, LoaderSettings, diagnose
 from .records import EpochRecord, ShardRecord, TuningRecord
-from ._utils.timeline import TRAIN_LANE, plot_timeline, write_chrome_trace
 
 __all__ = ["EpochRecord", "ShardRecord", "ShardTotals", "Span", "Stats", "TuningRecord"]
 

@@ -25,27 +25,27 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from ._utils import validate as _validate
-from ._utils.closing import Closing
-from ._utils.cores import usable_cores
-from ._utils.lifecycle import check_owner, track
-from ._utils.random import key_hash, seeded_rng
-from ._utils.distributed import resolve_parts
-from .errors import InvalidState, LoaderClosed, SchemaMismatch, add_note
-from ._utils.retry import ErrorPolicy, OnError
-from ._utils.columns import names_of, normalize_arrays
-from .sources import RawShard, Source
-from ._pipeline.sizes import ShardSizes, part_rows, stride_turn
+from ._pipeline.admission import Admission, MemoryGate
 from ._pipeline.keys import KeyTape, part_endless, part_keys
+from ._pipeline.offsets import Deferred
 from ._pipeline.producers import ProducerPool, Throttle
 from ._pipeline.remainder import Remainder
+from ._pipeline.reservations import ShardReservations, copy_bytes
 from ._pipeline.run import EpochRun, RunState
 from ._pipeline.shard import Owned, Prepare, Shard
-from ._pipeline.admission import Admission, MemoryGate
-from ._pipeline.offsets import Deferred
-from ._pipeline.reservations import ShardReservations, copy_bytes
+from ._pipeline.sizes import ShardSizes, part_rows, stride_turn
 from ._pipeline.tuning import DEFAULT_PREFETCH, Limits, Tunable, Tuner, start_knobs
+from ._utils import validate as _validate
+from ._utils.closing import Closing
+from ._utils.columns import names_of, normalize_arrays
+from ._utils.cores import usable_cores
+from ._utils.distributed import resolve_parts
+from ._utils.lifecycle import check_owner, track
+from ._utils.random import key_hash, seeded_rng
+from ._utils.retry import ErrorPolicy, OnError
+from .errors import InvalidState, LoaderClosed, SchemaMismatch, add_note
 from .records import ShardRecord
+from .sources import RawShard, Source
 from .stats import Stats
 
 __all__ = ["EpochRun", "Prepare", "RunState", "Shard", "ShardStream"]

@@ -16,11 +16,11 @@ gluon_stream: the test reads ``BATCH_SIZE``, ``EPOCHS`` and ``make_loader`` from
 from __future__ import annotations
 
 import argparse
-import gc
 import faulthandler
-import signal
+import gc
 import json
 import os
+import signal
 
 from _kvstore_worker import SIZES, counting, shard
 

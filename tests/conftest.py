@@ -13,7 +13,6 @@ import pytest
 from _helpers import known_stats, leaks, snapshot
 from _servers import moto_server  # noqa: F401  (fixture: the one `s3` of _servers asks for)
 
-
 # Not in the edit loop's subset (``python -m pytest -m fast``, about 45 s on 2 cores): the tests
 # that start interpreters, MXNet jobs, clusters, servers or examples, search deeply, or wait out a
 # timeout on purpose (each takes about a second or more). A test is ``fast`` unless it is named

@@ -13,8 +13,8 @@ import pytest
 
 import gluon_stream as gs
 from _helpers import id_shards
-from gluon_stream.tools import bench, generator
 from gluon_stream.cli import main
+from gluon_stream.tools import bench, generator
 
 pytestmark = pytest.mark.mxnet  # these tests use MXNet: warm its engine first
 

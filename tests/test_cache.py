@@ -24,8 +24,9 @@ import pytest
 
 import gluon_stream as gs
 from _helpers import JOIN_S, all_ids, batch_ids, dead, id_shards, wait_for
-from fake_generator import (command, command_source as source, generator_runs as runs,
-                            hidden_files, read_lines, shard_values)
+from fake_generator import command, hidden_files, read_lines, shard_values
+from fake_generator import command_source as source
+from fake_generator import generator_runs as runs
 from gluon_stream.cache import LocalShardCache, RemoteShardCache, parse_cache_limit
 from gluon_stream.cache import local as cache_local
 

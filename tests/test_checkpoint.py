@@ -14,10 +14,9 @@ import subprocess
 import sys
 
 import mxnet as mx
-import numpy as np
 import pytest
 from mxnet import gluon
-from mxnet.gluon.contrib.estimator import BatchEnd, CheckpointHandler, Estimator, EpochEnd
+from mxnet.gluon.contrib.estimator import BatchEnd, CheckpointHandler, EpochEnd, Estimator
 
 import gluon_stream as gs
 from _helpers import batch_ids, id_shards

@@ -22,8 +22,8 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, reject, settings
 from hypothesis import strategies as st
 
-import gluon_stream as gs
 import elastic_model as model
+import gluon_stream as gs
 from _helpers import batch_ids, epoch_batch_ids, id_shards
 
 pytestmark = pytest.mark.mxnet

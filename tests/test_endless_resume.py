@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import gluon_stream as gs
-from _endless_resume_worker import EPOCHS, KINDS, shard
+from _endless_resume_worker import KINDS, shard
 
 pytestmark = pytest.mark.mxnet
 

@@ -10,8 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import _horovod_worker as worker
 import pytest
+
+import _horovod_worker as worker
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT_S = 240

@@ -7,9 +7,10 @@ import os
 import pytest
 
 import gluon_stream as gs
-from fake_generator import command, command_source as source, generator_runs as runs, read_lines
+from fake_generator import command, read_lines
+from fake_generator import command_source as source
+from fake_generator import generator_runs as runs
 from gluon_stream._pipeline.keys import validate_key
-
 
 HOSTILE_KEYS = ["a;touch X", "$(id)", "../../x", "a/b", "", "a\0b", "-rf", "k" * 300,
                 ".hidden", "a b", "x\ny", "..", "`id`"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 
 import mxnet as mx
-import numpy as np
 import psutil
 import pytest
 

@@ -12,6 +12,7 @@ import pytest
 import gluon_stream as gs
 from gluon_stream.records import EpochRecord, ShardRecord, TuningRecord
 
+
 def read_events(logdir: Path) -> list:
     """Every Event in a directory's TensorBoard event files (TFRecord framing: length, its
     CRC, the serialised Event, its CRC)."""

@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from gluon_stream.errors import LoaderClosed
 from gluon_stream._pipeline.producers import Throttle
+from gluon_stream.errors import LoaderClosed
 
 pytestmark = pytest.mark.fast
 

@@ -8,9 +8,6 @@ the real rows; the rank-agreement property over random topologies lives in
 """
 from __future__ import annotations
 
-import itertools
-
-import mxnet as mx
 import numpy as np
 import pytest
 

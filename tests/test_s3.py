@@ -20,8 +20,7 @@ import pytest
 
 import gluon_stream as gs
 from _helpers import JOIN_S
-from _servers import dead_s3, s3, warm_fsspec  # noqa: F401, F811  (fixtures)
-from _servers import ends_with_the_process
+from _servers import dead_s3, ends_with_the_process, s3, warm_fsspec  # noqa: F401, F811  (fixtures)
 
 # s3fs runs on fsspec's event loop, whose thread pool (aiohttp's name lookups) grows and stays
 # for the process: the leak check cannot tell it from ours, so these tests check their own.

@@ -7,9 +7,15 @@ import json
 import pytest
 
 from gluon_stream._pipeline.batching import Position, Segment
+from gluon_stream._pipeline.state import (
+    STATE_VERSION,
+    LoaderState,
+    _checksum,
+    decode_state,
+    encode_state,
+    keys_digest,
+)
 from gluon_stream.errors import InvalidState
-from gluon_stream._pipeline.state import (STATE_VERSION, LoaderState, _checksum, decode_state,
-                                encode_state, keys_digest)
 
 SETTINGS = {"seed": 3, "shuffle": True, "batch_size": 4, "num_parts": 1, "part_index": 0,
             "deal": "shards", "shuffle_window": 1}

@@ -13,6 +13,7 @@ import gluon_stream as gs
 from _helpers import FakeClock, known_stats, wait_for
 from gluon_stream.stats import Stats
 
+
 def test_totals_lanes_and_summary_from_known_spans():
     stats = known_stats()
     assert stats.lanes() == ["gluon_stream-producer_0", "gluon_stream-producer_1", "train"]

@@ -95,8 +95,8 @@ def test_plot_marks_epochs_and_labels_the_shards_it_has_room_for(tmp_path):
 
 
 def test_epoch_marks_count_back_from_the_latest_spans():
-    from gluon_stream.stats import EpochRecord
     from gluon_stream._utils.timeline import epoch_starts
+    from gluon_stream.stats import EpochRecord
 
     stats = two_epochs_stats()
     kept = [s for s in stats.span_list() if not (s.lane == "train" and s.start < 5.5)]

@@ -21,8 +21,16 @@ from hypothesis import strategies as st
 import gluon_stream as gs
 import reference_model as model
 from _helpers import batch_ids
-from gluon_stream._pipeline.tuning import (MAX_PREFETCH, Knobs, Limits, Measured, Tuner,
-                                            check_room, decide, footprint)
+from gluon_stream._pipeline.tuning import (
+    MAX_PREFETCH,
+    Knobs,
+    Limits,
+    Measured,
+    Tuner,
+    check_room,
+    decide,
+    footprint,
+)
 from gluon_stream._utils.cores import usable_cores
 from gluon_stream._utils.validate import byte_size
 from gluon_stream.tools.bench import budget_probe, budget_shapes
@@ -291,8 +299,8 @@ def test_diagnose_reports_the_tuned_settings_and_whether_the_budget_limited_them
 
 @pytest.mark.usefixtures("warm_matplotlib")
 def test_the_timeline_marks_each_change(tmp_path):
-    from gluon_stream.records import TuningRecord
     from _helpers import known_stats
+    from gluon_stream.records import TuningRecord
 
     stats = known_stats()
     stats.add_tuning(TuningRecord(2.5, 0, "producers", 1, 2, "waited"))
@@ -743,8 +751,8 @@ def test_a_program_shards_raw_bytes_are_admitted_from_its_header_before_it_is_re
     and admits exactly what the raw arrays will hold before the loader reads the file (shards
     growing from one key to the next change nothing)."""
     from fake_generator import command_source
-    from gluon_stream.sources import base
     from gluon_stream.shardfile import inspect_shard
+    from gluon_stream.sources import base
 
     at_load = []
     real = base.load_shard

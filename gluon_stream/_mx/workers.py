@@ -64,8 +64,8 @@ import numpy as np
 from .._utils.closing import WAIT_SLICE_S
 from ..errors import WorkerDied, add_note
 from .in_process import PER_WORKER, InlineWorkers, ThreadWorkers
-from .parent_pipe import ParentPipe
 from .numpy_mode import numpy_mode
+from .parent_pipe import ParentPipe
 from .samples import BatchMaker, Refs
 from .shm import SharedArrays, SlotTable, recv_fds, remove_worker_shm, send_fds
 from .worker_deaths import DeathBudget, closed_while, death, too_slow, what_of

@@ -24,12 +24,12 @@ import numpy as np
 from .._mx import arrays as mx_arrays
 from .._mx import shm as mx_shm
 from .._mx.consumed import consumable
-from .batching import Batch, Segment, UnitPlan
-from .feed import Carry, MixedData, UnitFeed
 from .._utils.batchable import check_batchable
 from .._utils.columns import ShapedArrays
-from .contracts import Workers
 from ..stream import Prepare
+from .batching import Batch, Segment, UnitPlan
+from .contracts import Workers
+from .feed import Carry, MixedData, UnitFeed
 from .shard import owned_each
 
 __all__ = ["Ordered", "SamplePath", "SlicePath"]

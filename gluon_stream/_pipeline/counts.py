@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Protocol
 
+from ..errors import SizeUnknown
+from ..sources import Source
+from ..stream import ShardStream
 from .batching import LastBatch
 from .ranks import even_count
 from .remainder import Remainder
 from .sizes import ShardSizes
-from ..errors import SizeUnknown
-from ..sources import Source
-from ..stream import ShardStream
 
 __all__ = ["BatchCounts"]
 

@@ -20,16 +20,16 @@ import numpy as np
 
 from .._mx import arrays as mx_arrays
 from .._mx.padding import pad_rows
-from .._utils.random import batch_seed
-from .batching import Batch, BatchPlanner, MixedUnit, Position, Segment, WindowMixer
-from .contracts import BatchPath
-from ..errors import InvalidState, StreamError
-from .feed import Carry, MixedData, UnitFeed, UnitSources, WindowFeed
-from .keys import EMPTY_PASSES
 from .._utils.progress import ProgressBar
-from .state import LoaderState, check_segment_key
+from .._utils.random import batch_seed
+from ..errors import InvalidState, StreamError
 from ..records import EpochRecord
 from ..stream import EpochRun, ShardStream
+from .batching import Batch, BatchPlanner, MixedUnit, Position, Segment, WindowMixer
+from .contracts import BatchPath
+from .feed import Carry, MixedData, UnitFeed, UnitSources, WindowFeed
+from .keys import EMPTY_PASSES
+from .state import LoaderState, check_segment_key
 
 __all__ = ["EpochPass", "EvenBatches", "PassSettings"]
 

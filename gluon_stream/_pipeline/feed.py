@@ -18,11 +18,11 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .batching import Batch, BatchPlanner, MixedUnit, Position, Segment, UnitPlan, WindowMixer
-from ..errors import LoaderClosed, StreamError
 from .._utils.validate import every_nth
+from ..errors import LoaderClosed, StreamError
 from ..records import EpochRecord
 from ..stream import EpochRun, Shard
+from .batching import Batch, BatchPlanner, MixedUnit, Position, Segment, UnitPlan, WindowMixer
 
 __all__ = ["Carry", "EMPTY_SHARDS", "FeedState", "MixedData", "UnitFeed", "UnitSources",
            "WindowFeed"]

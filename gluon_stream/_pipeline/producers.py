@@ -9,7 +9,7 @@ import itertools
 import logging
 import threading
 import weakref
-from typing import Any, Iterator
+from typing import Iterator
 
 from .._utils.closing import CLOSE_WAIT_S, WAIT_SLICE_S, end_thread_pool
 from ..errors import LoaderClosed

@@ -12,12 +12,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from ..errors import InvalidState
 from .batching import Position, window_slice
 from .keys import EMPTY_PASSES
 from .remainder import Drawn, Mixed, Take
 from .sizes import part_count, stride_of, stride_turn
 from .state import check_rank_keys
-from ..errors import InvalidState
 
 __all__ = ["PartStream", "Quotas", "Stretch", "endless_drawn", "unit_size"]
 

@@ -25,10 +25,10 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
+from ..errors import InvalidState
 from .batching import mixed_order
 from .keys import part_endless
 from .sizes import part_count, part_rows
-from ..errors import InvalidState
 
 __all__ = ["Drawn", "Mixed", "Piece", "Remainder", "Take", "cached_mixed_order",
            "remainder_deal"]

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Mapping
 
+from ..errors import InvalidState
 from .keys import part_endless
 from .quotas import KeysOf, Quotas, SizeOf
 from .remainder import Drawn, Mixed, Piece, Remainder, Take, remainder_deal
 from .sizes import stride_of
 from .state import check_rank_keys
 from .window_cuts import WindowCuts
-from ..errors import InvalidState
 
 __all__ = ["resolve"]
 

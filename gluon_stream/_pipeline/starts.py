@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 
+from ..errors import InvalidState
+from ..stream import EpochRun, ShardStream
 from .batching import Position, Segment
 from .epoch import EpochPass
 from .feed import Carry
 from .quotas import PartStream, endless_drawn
 from .state import LoaderState
-from ..errors import InvalidState
-from ..stream import EpochRun, ShardStream
 
 __all__ = ["PassStarts"]
 

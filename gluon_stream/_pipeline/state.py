@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from .._utils import validate as _validate
-from .batching import Position, Segment, WindowMixer
 from ..errors import InvalidState
+from .batching import Position, Segment, WindowMixer
 
 __all__ = ["STATE_VERSION", "LoaderState", "UnitLengths", "check_rank_keys", "check_segment_key",
            "checksum", "decode_state", "encode_state", "keys_digest", "unit_lengths", "verify"]

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
+from ..errors import InvalidState
 from .batching import Position, window_slice
 from .remainder import Mixed, Take, cached_mixed_order
 from .state import unit_lengths
-from ..errors import InvalidState
 
 __all__ = ["WindowCuts"]
 

@@ -15,8 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from ..errors import CorruptShard
 from .._utils.files import remove_if_exists
+from ..errors import CorruptShard
 from ..shardfile import open_regular
 
 __all__ = ["CacheLimit", "evict_if_unread", "evict_lru", "parse_cache_limit"]

@@ -33,8 +33,15 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .._utils.files import remove_if_exists
-from ..errors import (CacheFull, CommandNotFound, CorruptShard, ShardError, ShardTimeout,
-                      StreamError, UnsafeShard)
+from ..errors import (
+    CacheFull,
+    CommandNotFound,
+    CorruptShard,
+    ShardError,
+    ShardTimeout,
+    StreamError,
+    UnsafeShard,
+)
 
 __all__ = ["FAILED_SUFFIX", "Failure", "RECORDED", "drop_failures", "failure_path", "read_failure",
            "worth_recording", "write_failure"]

@@ -60,8 +60,8 @@ import uuid
 from typing import Any, Callable, Iterator, Mapping
 
 from .._utils.closing import WAIT_SLICE_S
-from ..errors import CorruptShard, ShardError, StaleShard, UnsafeShard
 from .._utils.files import TEMP_MARKER, remove_if_exists
+from ..errors import CorruptShard, ShardError, StaleShard, UnsafeShard
 from ..shardfile import inspect_shard, open_regular
 from .base import Create, Recipe
 from .evict import CacheLimit, evict_if_unread

@@ -15,8 +15,8 @@ import threading
 import time
 from typing import Callable, Iterator
 
-from ..errors import LoaderClosed
 from .._utils.files import remove_if_exists
+from ..errors import LoaderClosed
 
 __all__ = ["LOCK_SUFFIX", "exclusive", "remove_if_unheld"]
 

@@ -38,8 +38,8 @@ import threading
 import uuid
 from typing import Any, Iterator, Mapping
 
-from .._utils.fsspec import downloaded, fsspec, storage_errors
 from .._utils.files import TEMP_MARKER, remove_if_exists
+from .._utils.fsspec import downloaded, fsspec, storage_errors
 from ..errors import CorruptShard, UnsafeShard
 from ..shardfile import inspect_file
 from .base import Recipe

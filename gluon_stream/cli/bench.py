@@ -9,8 +9,15 @@ import argparse
 import json
 from typing import Any
 
-from ._args import (UsageError, csv_list, non_negative_float, non_negative_int, output_path,
-                    plain_text, positive_int)
+from ._args import (
+    UsageError,
+    csv_list,
+    non_negative_float,
+    non_negative_int,
+    output_path,
+    plain_text,
+    positive_int,
+)
 
 __all__ = ["register", "run_bench"]
 

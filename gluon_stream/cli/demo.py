@@ -24,8 +24,15 @@ from .._mx import import_mxnet
 from .._utils.validate import byte_size
 from ..tools.generator import generator_command, make_windows
 from ..tools.models import small_regressor
-from ._args import (UsageError, ensure_writable_dir, non_negative_float, non_negative_int,
-                    output_path, plain_text, positive_int)
+from ._args import (
+    UsageError,
+    ensure_writable_dir,
+    non_negative_float,
+    non_negative_int,
+    output_path,
+    plain_text,
+    positive_int,
+)
 
 __all__ = ["DEFAULT_PLOT", "register", "run_demo"]
 

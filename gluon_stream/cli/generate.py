@@ -11,14 +11,19 @@ import shlex
 import sys
 from typing import Any, Sequence
 
+from .._pipeline.keys import validate_key
+from .._utils.progress import make_tqdm
 from ..cache import SUFFIXES as SHARD_SUFFIXES
 from ..cache.failures import RECORDED
 from ..errors import StreamError
-from .._pipeline.keys import validate_key
-from .._utils.progress import make_tqdm
 from ..sources import CommandSource
-from ._args import (UsageError, ensure_writable_dir, non_negative_float, non_negative_int,
-                    positive_int)
+from ._args import (
+    UsageError,
+    ensure_writable_dir,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+)
 
 __all__ = ["expand_keys", "register", "run_generate"]
 

@@ -18,8 +18,8 @@ import glob
 import os
 from typing import Any, Sequence
 
-from ..errors import StreamError, UnbatchableShard
 from .._utils.batchable import check_batchable
+from ..errors import StreamError, UnbatchableShard
 from ..shardfile import inspect_shard
 from ..sources.files import expand_paths
 from ._args import UsageError

@@ -8,16 +8,16 @@ import re
 import stat
 from typing import Any, Mapping, Sequence
 
+from .._pipeline.keys import Keys, validate_key
 from .._utils import validate as _validate
+from .._utils.files import discard_path, is_disk_full
+from .._utils.retry import RetryPolicy
 from ..cache import SUFFIXES
 from ..cache.recipe import recipe_digest
 from ..errors import CommandNotFound, CorruptShard, ShardError, ShardTimeout, UnsafeShard
-from .._pipeline.keys import Keys, validate_key
-from .._utils.retry import RetryPolicy
-from .._utils.files import discard_path, is_disk_full
 from ..shardfile import inspect_shard
-from .base import CachingSource
 from ._process import ProgramRunner
+from .base import CachingSource
 
 __all__ = ["CommandSource"]
 
@@ -130,7 +130,8 @@ class CommandSource(CachingSource):
                 discard_path(tmp)
                 self._check_open()
                 if not self.retry.should_retry(exc, attempt):
-                    setattr(exc, "attempts", attempt + 1)  # recorded with the failure
+                    # read by the failure record; not a declared attribute of these error types
+                    setattr(exc, "attempts", attempt + 1)  # noqa: B010
                     if attempt and isinstance(exc, ShardError) and exc.args:
                         exc.args = (f"{exc.args[0]}\n(gave up after {attempt + 1} attempts; "
                                     "retries= sets how many)",)

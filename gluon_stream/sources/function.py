@@ -8,9 +8,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import ShardError, StreamError
 from .._pipeline.keys import Keys
 from .._utils.columns import normalize_arrays
+from ..errors import ShardError, StreamError
 from ..shardfile import write_shard
 from .base import CachingSource, RawShard, run_elsewhere
 

@@ -64,15 +64,24 @@ from .features import run_features_scenario
 from .measure import make_step, measure_step
 from .memory import run_memory_scenario
 from .persample import PERSAMPLE_CONTENDERS, run_persample_scenario
+from .pipeline import (
+    PIPELINE_CONTENDERS,
+    PIPELINE_SCENARIOS,
+    calibrate_delay,
+    generation_cost,
+    run_pipeline_scenario,
+)
 from .placement import run_placement_scenario
 from .reference import reference_rate
-from .pipeline import (PIPELINE_CONTENDERS, PIPELINE_SCENARIOS, calibrate_delay,
-                       generation_cost, run_pipeline_scenario)
 from .report import format_results, targets
-from .stragglers import (STRAGGLER_CONTENDERS, ideal_in_order, run_stragglers_scenario,
-                         stragglers_workload)
-from .tuning import run_tuning_scenario
+from .stragglers import (
+    STRAGGLER_CONTENDERS,
+    ideal_in_order,
+    run_stragglers_scenario,
+    stragglers_workload,
+)
 from .throughput import THROUGHPUT_CONTENDERS, THROUGHPUT_SHAPES, mixing, run_throughput_scenario
+from .tuning import run_tuning_scenario
 from .window_epochs import WINDOW_EPOCHS, WINDOW_EPOCHS_CONTENDERS, run_window_epochs_scenario
 from .workload import Workload, ideal_time, wave_bound
 

@@ -12,8 +12,14 @@ import logging
 import time
 from typing import Any
 
-from ..._mx.pools import (free_queue_locks, is_process_pool, pool_processes, stop_maintenance,
-                          take_worker_pool, worker_pool)
+from ..._mx.pools import (
+    free_queue_locks,
+    is_process_pool,
+    pool_processes,
+    stop_maintenance,
+    take_worker_pool,
+    worker_pool,
+)
 from ..._mx.shm import remove_worker_shm
 
 __all__ = ["release_dataloader", "worker_pool"]

@@ -19,8 +19,8 @@ import numpy as np
 
 from ... import CommandSource, ShardError, StreamLoader
 from ..._mx import data_iter_base, import_mxnet
-from .dataloader import release_dataloader
 from ..generator import make_windows
+from .dataloader import release_dataloader
 from .measure import Probe, drive, make_step, median
 from .workload import Workload, ideal_time, wave_bound
 

@@ -1,11 +1,11 @@
 """The bench's targets and its human-readable tables."""
 from __future__ import annotations
 
-from ...diagnosis import Diagnosis
 from ..._utils.validate import every_nth
+from ...diagnosis import Diagnosis
 from .features import features_lines
-from .tuning import tuning_lines
 from .pipeline import PIPELINE_SCENARIOS
+from .tuning import tuning_lines
 
 __all__ = ["DIAGNOSED", "UNBOUNDED", "fmt", "format_results", "targets"]
 

@@ -28,8 +28,6 @@ import time
 from dataclasses import asdict, replace
 from typing import Any, Callable, Iterator
 
-import numpy as np
-
 from ... import CommandSource, FunctionSource, StreamLoader
 from ..generator import make_windows
 from .budget_probe import measure as probe_budget
