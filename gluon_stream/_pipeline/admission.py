@@ -32,6 +32,7 @@ import time
 from typing import Any, Callable, ContextManager
 
 from .._utils.closing import WAIT_SLICE_S
+from .._utils.libc import trim_freed
 from .._utils.validate import format_bytes
 from ..errors import LoaderClosed, MemoryBudgetTooSmall
 
@@ -92,9 +93,10 @@ class Admission:
         return self.gate.made(self, part, int(nbytes))
 
     def drop(self, *parts: str) -> None:
-        """Give ``parts`` back (their arrays are freed)."""
+        """Give ``parts`` back (their arrays are freed), their pages too (:func:`trim_freed`)."""
         for part in parts:
             self.gate.set(self, part, 0)
+        trim_freed()
 
     def handed(self) -> None:
         """The shard reached the loop: it no longer ranks among the shards being made."""
@@ -239,6 +241,9 @@ class MemoryGate:
                 self._cond.notify_all()
 
     def release(self, adm: Admission) -> None:
+        """Give back everything ``adm`` holds; then the allocator gives the OS the pages freed
+        since (the shard's copy, and its raw arrays long before: :func:`trim_freed`), outside
+        the lock, so that the process's memory is what the gate counts."""
         with self._cond:
             if adm.released:
                 return
@@ -249,6 +254,7 @@ class MemoryGate:
                 adm.in_flight = False
                 self._open.remove(adm)
             self._cond.notify_all()
+        trim_freed()
 
     def close(self) -> None:
         """Wake every waiter: they raise LoaderClosed."""
