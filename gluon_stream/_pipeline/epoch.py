@@ -215,7 +215,10 @@ class EpochPass:
                 run, feed = self._start_run(position, carry, record, handover)
                 handover = None
                 runs.append((run, feed))
-                for delivered, batch in self._deliver(run, feed, carry, delivered, record, bar):
+                # _deliver counts on from the batches delivered so far and yields the running
+                # count with each batch: the loop carries it into the next run, or the tail
+                for so_far, batch in self._deliver(run, feed, carry, delivered, record, bar):
+                    delivered = so_far
                     yield batch
                 if self.state.position.end or feed.final is not None or feed.failure is not None:
                     break
@@ -224,7 +227,8 @@ class EpochPass:
                     break
                 # samples_per_epoch: the keys ran out before the epoch read its samples
                 if not run.finite:  # an endless key iterator that ended: the stream is over
-                    for delivered, batch in self._close(feed, carry, delivered, record, bar):
+                    for so_far, batch in self._close(feed, carry, delivered, record, bar):
+                        delivered = so_far
                         yield batch
                     break
                 whole = not position.unit and not position.offset
