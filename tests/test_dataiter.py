@@ -112,7 +112,7 @@ def test_several_labels_map_to_several_label_names():
             np.testing.assert_array_equal(b, x[:, -1, 1])
             np.testing.assert_array_equal(up, (x[:, -1, 0] > 0))
         with pytest.raises(ValueError, match="4 arrays but data_names"):
-            gs.StreamIter(loader, label_names=["only_one"]).provide_data
+            _ = gs.StreamIter(loader, label_names=["only_one"]).provide_data  # peeks, raises
 
 
 def test_bad_arguments_are_named():

@@ -533,9 +533,9 @@ def test_an_empty_list_or_a_merged_state_is_refused_saying_so():
         gs.merge_states("state.json")
     states = _states()
     merged = gs.merge_states(states)
-    for given in ([merged], [states[0], merged]):
+    for merged_in in ([merged], [states[0], merged]):
         with pytest.raises(gs.InvalidState, match="is a merged state"):
-            gs.merge_states(given)
+            gs.merge_states(merged_in)
 
 
 @pytest.mark.parametrize("window,fixed", [(1, None), (4, None), (1, 400), (4, 400)])

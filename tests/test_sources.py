@@ -56,7 +56,7 @@ def test_hang_raises_shard_timeout_and_kills_the_whole_process_group(tmp_path, m
     pids = [int(p) for p in read_lines(tmp_path / "pids")]
     assert len(pids) == (2 if mode == "grandchild-hang" else 1)
     for pid in pids:
-        wait_for(lambda: dead(pid), 5, f"pid {pid} to die")
+        wait_for(lambda pid=pid: dead(pid), 5, f"pid {pid} to die")
     assert os.listdir(tmp_path / "cache") == FAILED_K1
 
 
@@ -209,7 +209,7 @@ def test_close_during_a_30_s_generator_run_returns_fast_and_kills_it(tmp_path):
     assert elapsed < 2.0
     assert len(errors) == 1 and isinstance(errors[0], gs.LoaderClosed)
     for pid in (int(p) for p in read_lines(tmp_path / "pids")):
-        wait_for(lambda: dead(pid), 5, f"pid {pid} to die")
+        wait_for(lambda pid=pid: dead(pid), 5, f"pid {pid} to die")
     assert os.listdir(tmp_path / "cache") == []
     with pytest.raises(gs.LoaderClosed):
         src.produce("k1", 0)
