@@ -1,4 +1,4 @@
-"""Gluon's numpy interface, as *Dive into Deep Learning* (MXNet edition) writes it, on streamed shards.
+"""Gluon's numpy API, as *Dive into Deep Learning* (MXNet edition) writes it, on streamed shards.
 
 The book's code starts with ``npx.set_np()``: blocks then take ``mx.np.ndarray`` and its
 training functions call ``X.as_in_ctx(device)``, ``len(train_iter)`` and an accuracy over a

@@ -1,4 +1,4 @@
-"""StreamIter: the Module API adapter (shapes, names, padding, reset, fit, PrefetchingIter, aliasing)."""
+"""StreamIter, for Module: shapes, names, padding, reset, fit, PrefetchingIter, aliasing."""
 from __future__ import annotations
 
 import logging
@@ -135,7 +135,8 @@ def test_batches_handed_out_are_never_overwritten():
         kept = []
         for _ in range(2):
             for batch in it:
-                kept.append((batch, batch.data[0].asnumpy().copy(), batch.label[0].asnumpy().copy()))
+                kept.append((batch, batch.data[0].asnumpy().copy(),
+                             batch.label[0].asnumpy().copy()))
             it.reset()
         assert len(kept) == 2 * 9
         for batch, ids, half in kept:

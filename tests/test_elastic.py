@@ -821,8 +821,9 @@ def test_num_workers_may_change_at_a_resize(window):
 def test_endless_keys_with_even_batches_give_every_rank_its_stride_of_every_shard(even, sizes):
     """even_batches without sizes has every rank read every shard and take its stride of the
     samples: with an endless iterator too (each rank read its own keys' strides, dropping the
-    others' half), the strides going on from shard to shard (True), and with shard_sizes given (an endless epoch's end is unknown all the same:
-    True raised SizeUnknown, 'pad' gave the ranks unequal counts)."""
+    others' half), the strides going on from shard to shard (True), and with shard_sizes given (an
+    endless epoch's end is unknown all the same: True raised SizeUnknown, 'pad' gave the ranks
+    unequal counts)."""
     def shard(key):
         return np.arange(5, dtype="float32") + 1000 * key
 

@@ -100,7 +100,8 @@ def _mutate_npy(rng: random.Random, data: bytes) -> bytes:
     if kind == "flip":
         buf = bytearray(data)
         for _ in range(rng.randint(1, 3)):
-            at = rng.randrange(min(len(buf), 128)) if rng.random() < 0.7 else rng.randrange(len(buf))
+            at = (rng.randrange(min(len(buf), 128)) if rng.random() < 0.7
+                  else rng.randrange(len(buf)))
             buf[at] ^= rng.randint(1, 255)
         return bytes(buf)
     if kind == "header":

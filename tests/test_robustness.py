@@ -98,7 +98,8 @@ def test_a_sigkilled_worker_raises_worker_died_within_10_s_and_leaves_no_zombie(
         victim = workers[0].pid
         os.kill(victim, signal.SIGKILL)
         killed_at = time.monotonic()
-        with pytest.raises(gs.WorkerDied, match=r"worker process \d+ was killed by SIGKILL") as info:
+        with pytest.raises(gs.WorkerDied,
+                           match=r"worker process \d+ was killed by SIGKILL") as info:
             for _ in batches:
                 pass
         noticed = time.monotonic() - killed_at

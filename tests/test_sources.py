@@ -33,7 +33,8 @@ FAILED_K1 = ["k1.failed.json"]  # only the failure, recorded beside the shard (n
 
 def test_nonzero_exit_raises_shard_error_after_the_retries_with_the_stderr_tail(tmp_path):
     with source(tmp_path, "exit-nonzero", retries=2) as src:
-        with pytest.raises(gs.ShardError, match=r"(?s)'k1'.*exit code 3.*upstream data missing") as info:
+        with pytest.raises(gs.ShardError,
+                           match=r"(?s)'k1'.*exit code 3.*upstream data missing") as info:
             src.produce("k1", 0)
     assert len(runs(tmp_path)) == 3  # one run plus two retries, then it gives up
     err = info.value
