@@ -510,7 +510,7 @@ def test_jupyter_style_interrupts_20_times_leak_nothing(path, record_property, s
                 figures.append((i + 1, dict(_flat_snapshot(), in_flight=shards_in_flight())))
             if i == 0:  # the loader's own producer thread exists from the first pass on
                 before = snapshot()
-        batch = None  # noqa: F841  (the last batch holds shared-memory fds)
+        _batch = None  # the last batch holds shared-memory fds: let it go
         found = leaks(before)  # after 20 interrupted passes: nothing more than after the first
         # but the shards in flight: where a pass stopped decides whether the next epoch's first
         # shard is already made (one fd each, bounded by prefetch); any other fd is a leak
