@@ -1,4 +1,4 @@
-"""Gluon's numpy interface, as *Dive into Deep Learning* (MXNet edition) writes it, on streamed shards.
+"""Gluon's numpy API, as *Dive into Deep Learning* (MXNet edition) writes it, on streamed shards.
 
 The book's code starts with ``npx.set_np()``: blocks then take ``mx.np.ndarray`` and its
 training functions call ``X.as_in_ctx(device)``, ``len(train_iter)`` and an accuracy over a
@@ -69,18 +69,20 @@ def train_ch6(net, train_iter, test_iter, num_epochs, lr, device):
     for epoch in range(num_epochs):
         train_iter.set_epoch(epoch)  # a StreamLoader's shuffle follows the epoch
         start, loss_sum, correct, seen = time.perf_counter(), 0.0, 0.0, 0
-        for i, (X, y) in enumerate(train_iter):
+        batches = 0
+        for X, y in train_iter:
             X, y = X.as_in_ctx(device), y.as_in_ctx(device)
             with autograd.record():
                 y_hat = net(X)
-                l = loss(y_hat, y)
-            l.backward()
+                batch_loss = loss(y_hat, y)
+            batch_loss.backward()
             trainer.step(X.shape[0])
-            loss_sum += float(l.sum())
+            batches += 1
+            loss_sum += float(batch_loss.sum())
             correct += accuracy(y_hat, y)
             seen += X.shape[0]
         test_acc = evaluate_accuracy_gpu(net, test_iter)
-        print(f"epoch {epoch}: {i + 1} of {num_batches} batches, loss {loss_sum / seen:.3f}, "
+        print(f"epoch {epoch}: {batches} of {num_batches} batches, loss {loss_sum / seen:.3f}, "
               f"train acc {correct / seen:.3f}, test acc {test_acc:.3f}, "
               f"{seen / (time.perf_counter() - start):,.0f} examples/s")
     return test_acc

@@ -2,8 +2,8 @@
 
 The loader wires the stages of each pass (an epoch): a :class:`~gluon_stream.ShardStream` (shards
 produced ahead), a planner (which samples form which batch, where a resume starts: the pure
-promise of :mod:`gluon_stream._pipeline.batching`) and one of two ways to turn planned batches into data,
-chosen automatically:
+promise of :mod:`gluon_stream._pipeline.batching`) and one of two ways to turn planned batches into
+data, chosen automatically:
 
 * **vectorised** (no ``batchify_fn``, no ``sample_transform``): the producer thread copies
   the (already shuffled) shard into one NDArray in the background; batches are contiguous
@@ -150,11 +150,11 @@ class StreamLoader(Closing):
             flight and the per-sample workers' slots. Within it ``prefetch``, ``producers`` and,
             on the per-sample path, the worker processes making batches (one is forked per
             usable core, and batches go to as many as help) are tuned live from where the
-            loop waits (a setting given explicitly stays as given); each change is logged at INFO with its reason and kept in
-            ``loader.stats.tuning``. A budget that cannot hold the shard being trained on plus
-            one more raises :class:`~gluon_stream.MemoryBudgetTooSmall` before the first batch
-            of the shard that shows it. Batches are the same whatever the tuner picks. See the
-            performance guide.
+            loop waits (a setting given explicitly stays as given); each change is logged at INFO
+            with its reason and kept in ``loader.stats.tuning``. A budget that cannot hold the shard
+            being trained on plus one more raises :class:`~gluon_stream.MemoryBudgetTooSmall` before
+            the first batch of the shard that shows it. Batches are the same whatever the tuner
+            picks. See the performance guide.
 
     Example:
         >>> import numpy as np

@@ -129,7 +129,7 @@ def _not_regular(path: Any, mode: int) -> CorruptShard:
 
 
 def _read_npy_header(fp: Any, path: Any, available: int) -> _NpyLayout:
-    """Parse and check one ``.npy`` header from ``fp``; ``available`` is the byte count from here."""
+    """Parse and check one ``.npy`` header from ``fp``; ``available``: the bytes from here on."""
     magic = fp.read(6)
     if not magic:
         raise _corrupt(path, "empty file (0 bytes)")

@@ -118,7 +118,7 @@ def dead(pid: int) -> bool:
 
 
 def id_shards(sizes, start=0):
-    """A FunctionSource fn whose shard k holds ids 1000*k .. 1000*k+sizes[k]-1 (and a float copy)."""
+    """A FunctionSource fn: shard k holds ids 1000*k .. 1000*k+sizes[k]-1 (and a float copy)."""
     def fn(key):
         n = sizes[key]
         ids = np.arange(n, dtype=np.int64) + 1000 * key + start

@@ -43,11 +43,11 @@ of features and interruptions and compare the batches exactly:
   shards (a rank dealt no key would read nothing); with ``samples_per_epoch`` they turn: the
   shard at position ``j`` of pass ``p`` gives its first row to part ``(p + j) % parts``
   (``deal='turns'``), so shards smaller than the part count starve no part, and only passes
-  whose shards hold no sample at all count as empty (every part alike). With even_batches, a part with no batch of
-  its own to repeat (dealt nothing, or only empty or failing shards) while the others yield
-  some takes the first ``batch_size`` rows (cycled) of the first shard of the epoch's key list,
-  in the source's order, that holds any (and does not fail), read whole in file order: with
-  ``'pad'`` as a batch of padding only.
+  whose shards hold no sample at all count as empty (every part alike). With even_batches, a part
+  with no batch of its own to repeat (dealt nothing, or only empty or failing shards) while the
+  others yield some takes the first ``batch_size`` rows (cycled) of the first shard of the epoch's
+  key list, in the source's order, that holds any (and does not fail), read whole in file order:
+  with ``'pad'`` as a batch of padding only.
 """
 from __future__ import annotations
 

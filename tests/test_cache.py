@@ -636,8 +636,9 @@ def test_an_upload_in_progress_is_never_found(gated_memory):
     cache = RemoteShardCache("gatedmem://gs-gated", lock_timeout=10)
     other = RemoteShardCache("gatedmem://gs-gated", lock_timeout=10)
     done = {}
-    upload = threading.Thread(target=lambda: done.update(r=cache.get_or_create("k", maker(cache, "k"))),
-                              name="gluon_stream-test-upload")
+    upload = threading.Thread(
+        target=lambda: done.update(r=cache.get_or_create("k", maker(cache, "k"))),
+        name="gluon_stream-test-upload")
     upload.start()
     try:
         assert gated_memory.opened.wait(JOIN_S)
@@ -695,7 +696,8 @@ def test_on_change_raise_refuses_a_stale_shard_and_keeps_it(tmp_path, xattrs):
                                                 r"\(command argument 9: '10' -> '4'\)") as info:
             src.produce("k1", 0)
     assert info.value.key == "k1" and "'10' -> '4'" in info.value.change
-    assert len(runs(tmp_path)) == 1 and gs.load_shard(tmp_path / "cache" / "k1.npy")[0].shape == (10, 3)
+    assert len(runs(tmp_path)) == 1
+    assert gs.load_shard(tmp_path / "cache" / "k1.npy")[0].shape == (10, 3)
     with pytest.raises(ValueError, match=r"on_change must be 'regenerate' or 'raise'"):
         source(tmp_path, "ok", on_change="ignore")
 
@@ -725,7 +727,8 @@ def test_function_source_version_and_key_type(tmp_path, xattrs, caplog):
         assert src.produce("1", 0).arrays[0].tolist() == [4, 4]  # fn('1') is not fn(1)
     changes = " | ".join(stale_warnings(caplog))
     assert "version 'a' -> 'b'" in changes and "key_type 'int' -> 'str'" in changes
-    with pytest.raises(gs.UnsafeKey, match=r"keys 1 and '1' are different keys with one cache file"):
+    with pytest.raises(gs.UnsafeKey,
+                       match=r"keys 1 and '1' are different keys with one cache file"):
         gs.FunctionSource([1, "1"], lambda k: np.zeros(2), cache_dir=cache).keys_for_epoch(0)
     src = gs.FunctionSource([1, np.int64(1), 1], lambda k: np.zeros(2), cache_dir=cache)
     assert len(src.keys_for_epoch(0)[0]) == 3  # one key, spelled twice: fine
@@ -799,7 +802,7 @@ def test_demo_rerun_with_other_rows_trains_on_new_shards(tmp_path, xattrs, capsy
     assert "epoch 0: 84 samples" in capsys.readouterr().out  # not the first run's 184
 
 
-# -- a read-only cache ------------------------------------------------------------------------------
+# -- a read-only cache -----------------------------------------------------------------------------
 
 _READ_ONLY_CHILD = r"""
 import json, logging, sys

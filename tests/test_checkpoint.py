@@ -228,7 +228,8 @@ def test_another_checkpoint_handler_in_the_same_fit_is_refused_naming_it(tmp_pat
                  if other_kind == "CheckpointHandler" else
                  gs.StreamCheckpoint(other_loader, str(tmp_path / "b"), **periods))
         handlers = [other, ckpt, recorder] if order == "other first" else [ckpt, other, recorder]
-        named = rf"{other_kind}\(model_dir='{tmp_path}{'' if other_kind == 'CheckpointHandler' else '/b'}'"
+        model_dir = f"{tmp_path}{'' if other_kind == 'CheckpointHandler' else '/b'}"
+        named = rf"{other_kind}\(model_dir='{model_dir}'"
         with pytest.raises(gs.CheckpointConflict, match=named + r".*Remove the other handler"):
             estimator().fit(loader, batches=20, event_handlers=handlers)
     assert recorder.batches == []

@@ -76,7 +76,7 @@ def help_blocks(text: str) -> dict[str, str]:
     """An option's help text from argparse's output, by its first option string."""
     blocks: dict[str, str] = {}
     name = None
-    for line in re.split(r"\n(?:options|optional arguments):\n", text, 1)[1].splitlines():
+    for line in re.split(r"\n(?:options|optional arguments):\n", text, maxsplit=1)[1].splitlines():
         if line.startswith("  -"):
             name = line.split()[0].rstrip(",")
             blocks[name] = line

@@ -71,9 +71,9 @@ def test_only_owning_writable_contiguous_large_arrays_are_consumable():
 def test_through_the_loader_batches_are_exact_and_held_arrays_untouched(keep, path,
                                                                          monkeypatch):
     """A FunctionSource that hands fresh arrays over (``fresh_arrays=True``: consumed) and one
-    that returns arrays it keeps (the default: never consumed) give exact batches, on the slice path (copied into NDArrays) and
-    the per-sample path (copied into shared memory); the kept arrays read as they were made,
-    every epoch."""
+    that returns arrays it keeps (the default: never consumed) give exact batches, on the slice path
+    (copied into NDArrays) and the per-sample path (copied into shared memory); the kept arrays read
+    as they were made, every epoch."""
     from gluon_stream._mx import shm
     calls = []
     module = mx_arrays if path == "slices" else shm

@@ -1,4 +1,4 @@
-"""StreamIter: the Module API adapter (shapes, names, padding, reset, fit, PrefetchingIter, aliasing)."""
+"""StreamIter, for Module: shapes, names, padding, reset, fit, PrefetchingIter, aliasing."""
 from __future__ import annotations
 
 import logging
@@ -112,7 +112,7 @@ def test_several_labels_map_to_several_label_names():
             np.testing.assert_array_equal(b, x[:, -1, 1])
             np.testing.assert_array_equal(up, (x[:, -1, 0] > 0))
         with pytest.raises(ValueError, match="4 arrays but data_names"):
-            gs.StreamIter(loader, label_names=["only_one"]).provide_data
+            _ = gs.StreamIter(loader, label_names=["only_one"]).provide_data  # peeks, raises
 
 
 def test_bad_arguments_are_named():
@@ -135,7 +135,8 @@ def test_batches_handed_out_are_never_overwritten():
         kept = []
         for _ in range(2):
             for batch in it:
-                kept.append((batch, batch.data[0].asnumpy().copy(), batch.label[0].asnumpy().copy()))
+                kept.append((batch, batch.data[0].asnumpy().copy(),
+                             batch.label[0].asnumpy().copy()))
             it.reset()
         assert len(kept) == 2 * 9
         for batch, ids, half in kept:

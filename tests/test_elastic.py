@@ -533,9 +533,9 @@ def test_an_empty_list_or_a_merged_state_is_refused_saying_so():
         gs.merge_states("state.json")
     states = _states()
     merged = gs.merge_states(states)
-    for given in ([merged], [states[0], merged]):
+    for merged_in in ([merged], [states[0], merged]):
         with pytest.raises(gs.InvalidState, match="is a merged state"):
-            gs.merge_states(given)
+            gs.merge_states(merged_in)
 
 
 @pytest.mark.parametrize("window,fixed", [(1, None), (4, None), (1, 400), (4, 400)])
@@ -821,8 +821,9 @@ def test_num_workers_may_change_at_a_resize(window):
 def test_endless_keys_with_even_batches_give_every_rank_its_stride_of_every_shard(even, sizes):
     """even_batches without sizes has every rank read every shard and take its stride of the
     samples: with an endless iterator too (each rank read its own keys' strides, dropping the
-    others' half), the strides going on from shard to shard (True), and with shard_sizes given (an endless epoch's end is unknown all the same:
-    True raised SizeUnknown, 'pad' gave the ranks unequal counts)."""
+    others' half), the strides going on from shard to shard (True), and with shard_sizes given (an
+    endless epoch's end is unknown all the same: True raised SizeUnknown, 'pad' gave the ranks
+    unequal counts)."""
     def shard(key):
         return np.arange(5, dtype="float32") + 1000 * key
 

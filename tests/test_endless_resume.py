@@ -97,7 +97,7 @@ def test_a_state_the_loaders_iterator_has_gone_past_is_refused_not_read_elsewher
     early = None
     for epoch in range(3):
         loader.set_epoch(epoch)
-        for batch in loader:
+        for _batch in loader:
             early = early or loader.state_dict()
     with pytest.raises(gs.InvalidState, match=r"keys before position \d+ were let go .*new "
                                               r"loader whose key iterator starts"):

@@ -163,7 +163,7 @@ def help_of(name: str) -> str:
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_examples_have_help_for_every_option_and_tiny(name):
     out = help_of(name)
-    options = re.split(r"\n(?:options|optional arguments):\n", out, 1)[1]  # 3.10+, 3.9
+    options = re.split(r"\n(?:options|optional arguments):\n", out, maxsplit=1)[1]  # 3.10+, 3.9
     blocks = re.split(r"\n(?=  -)", options.strip("\n"))
     helps = {b.split()[0].rstrip(","): re.match(r"\s*(-.*?)(\s{2,}|$)(.*)",
                                                  b.replace("\n", "  "), re.S).group(3).strip()

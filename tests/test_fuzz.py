@@ -100,7 +100,8 @@ def _mutate_npy(rng: random.Random, data: bytes) -> bytes:
     if kind == "flip":
         buf = bytearray(data)
         for _ in range(rng.randint(1, 3)):
-            at = rng.randrange(min(len(buf), 128)) if rng.random() < 0.7 else rng.randrange(len(buf))
+            at = (rng.randrange(min(len(buf), 128)) if rng.random() < 0.7
+                  else rng.randrange(len(buf)))
             buf[at] ^= rng.randint(1, 255)
         return bytes(buf)
     if kind == "header":
@@ -293,11 +294,12 @@ def run_fuzz(directory: str, n: int, seed: int = 0, *, cache: bool = True) -> di
     files = corpus(directory, n, seed)
     paths = _paths(directory, files)
     counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    for key, path in paths.items():
-        counts["load_shard"][judge(lambda: gs.load_shard(path), path)] += 1
-        counts["inspect_shard"][judge(lambda: gs.inspect_shard(path), path, infos=True)] += 1
+    for path in paths.values():  # judge calls each closure at once, with this path
+        counts["load_shard"][judge(lambda path=path: gs.load_shard(path), path)] += 1
+        counts["inspect_shard"][judge(lambda path=path: gs.inspect_shard(path), path,
+                                      infos=True)] += 1
         with gs.FileSource([path]) as src:
-            counts["FileSource"][judge(lambda: src.produce(path, 0).arrays, path)] += 1
+            counts["FileSource"][judge(lambda path=path: src.produce(path, 0).arrays, path)] += 1
     if cache:
         _fuzz_cache(directory, files, counts)
     return counts
@@ -315,7 +317,7 @@ def _fuzz_cache(directory: str, files: list, counts: dict) -> None:
     with gs.CommandSource([k for k, _ in files], ["cp", os.path.join(directory, "{key}.bin"),
                                                   "{path}"], cache_dir=made, retries=0) as src:
         for key, path in paths.items():
-            outcome = judge(lambda: src.produce(key, 0).arrays, path)
+            outcome = judge(lambda key=key: src.produce(key, 0).arrays, path)
             if outcome == "typed" and os.path.exists(os.path.join(made, key + ".npy")):
                 outcome = "wrong:refused file left in the cache"
             counts["CommandSource"][outcome] += 1
@@ -326,8 +328,9 @@ def _fuzz_cache(directory: str, files: list, counts: dict) -> None:
             fp.write(src_fp.read())
     with gs.CommandSource([k for k, _ in files], ["cp", os.path.join(originals, "{key}.bin"),
                                                   "{path}"], cache_dir=cached, retries=0) as src:
-        for key, path in paths.items():
-            outcome = judge(lambda: src.produce(key, 0).arrays, os.path.join(cached, key + ".npy"))
+        for key in paths:
+            outcome = judge(lambda key=key: src.produce(key, 0).arrays,
+                            os.path.join(cached, key + ".npy"))
             counts["cached, then read"][outcome] += 1
 
 

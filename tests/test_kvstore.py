@@ -189,8 +189,9 @@ def check_job(records: list[dict[str, Any]], deal: str) -> list[list[int]]:
 
 def test_dist_sync_with_shard_sizes_known(tmp_path):
     """shard_sizes= with shards that, dealt whole, could leave a part of 15 samples of 69: the
-    ranks take balanced strides of every shard, yield equal counts of full batches, len() known before every pass, and leave out at most
-    ``ranks * batch_size - 1`` samples an epoch (issue 35)."""
+    ranks take balanced strides of every shard, yield equal counts of full batches, len() known
+    before every pass, and leave out at most ``ranks * batch_size - 1`` samples an epoch
+    (issue 35)."""
     records, elapsed = run_job(tmp_path, "known")
     counts = check_job(records, deal="balanced")
     for r in records:

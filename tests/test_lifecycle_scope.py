@@ -96,7 +96,7 @@ def test_a_dropped_iterator_kills_the_generator_it_was_waiting_on(tmp_path):
     del it
     gc.collect()
     for pid in map(int, read_lines(tmp_path / "pids")):
-        wait_for(lambda: dead(pid), 5, f"generator pid {pid} to die")
+        wait_for(lambda pid=pid: dead(pid), 5, f"generator pid {pid} to die")
     assert [p for p in (tmp_path / "cache").iterdir() if p.name.startswith("k1")] == []
 
 

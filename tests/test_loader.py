@@ -69,7 +69,7 @@ def test_rollover_carries_the_remainder_into_the_next_epoch_only(path):
         for epoch in range(3):
             loader.set_epoch(epoch)
             epochs.append([batch_ids(b) for b in loader])
-    for epoch, batches in enumerate(epochs):
+    for batches in epochs:
         assert all(len(b) == BS for b in batches)
     left0 = set(all_ids([5, 2, 6])) - {i for b in epochs[0] for i in b}
     assert len(left0) == 1

@@ -250,7 +250,8 @@ class EpochRecorder(gs.Source):
 def test_produce_delegates_with_the_epoch_and_tags_the_source():
     plain, yearly = EpochRecorder([1, 2]), EpochRecorder([1], per_epoch=True)
     src = gs.MixSource({"p": plain, "y": yearly}, shards_per_epoch=2)
-    assert src.per_epoch and not gs.MixSource({"p": EpochRecorder([1])}, shards_per_epoch=1).per_epoch
+    assert src.per_epoch
+    assert not gs.MixSource({"p": EpochRecorder([1])}, shards_per_epoch=1).per_epoch
     raw = src.produce(("y", 1), epoch=3)
     assert (raw.key, raw.epoch, raw.source) == (("y", 1), 3, "y")
     assert yearly.calls == [(1, 3)] and plain.calls == []

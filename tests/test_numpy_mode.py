@@ -109,7 +109,7 @@ def test_a_numpy_mode_gluon_net_trains_on_every_path(numpy_mode, path):
     src = gs.FunctionSource(range(3), fn, cache_dir=None)
     batches = 0
     with gs.StreamLoader(src, batch_size=batch_size, **kwargs) as loader:
-        for epoch in range(2):
+        for _epoch in range(2):
             for batch in loader:
                 assert all(isinstance(a, mx.np.ndarray) for a in _arrays(batch)), \
                     [type(a) for a in _arrays(batch)]
@@ -119,8 +119,8 @@ def test_a_numpy_mode_gluon_net_trains_on_every_path(numpy_mode, path):
                 with autograd.record():
                     losses = [loss_fn(net(x.as_in_ctx(c)), y.as_in_ctx(c))
                               for c, x, y in zip(contexts, images, labels)]
-                for l in losses:
-                    l.backward()
+                for loss in losses:
+                    loss.backward()
                 trainer.step(sum(int(x.shape[0]) for x in images))
                 batches += 1
     assert batches > 0
@@ -228,16 +228,18 @@ def train_ch6(net, train_iter, test_iter, num_epochs, lr, device):
     trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": lr})
     num_batches = len(train_iter)
     seen = 0
-    for epoch in range(num_epochs):
-        for i, (X, y) in enumerate(train_iter):
+    for _epoch in range(num_epochs):
+        batches = 0  # this epoch's, counted: an epoch of no batch must fail the assert
+        for X, y in train_iter:
             X, y = X.as_in_ctx(device), y.as_in_ctx(device)
             with autograd.record():
                 y_hat = net(X)
-                l = loss(y_hat, y)
-            l.backward()
+                batch_loss = loss(y_hat, y)
+            batch_loss.backward()
             trainer.step(X.shape[0])
             seen += 1
-        assert i + 1 == num_batches
+            batches += 1
+        assert batches == num_batches
     return evaluate_accuracy_gpu(net, test_iter), seen
 
 

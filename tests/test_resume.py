@@ -120,7 +120,8 @@ def test_a_changed_key_list_is_refused_instead_of_repeating_samples():
     # that reaches it differs (and the shuffled order moves, so the prefix does reach it)
     changed = gs.FunctionSource(lambda epoch: [10 * epoch + i for i in (1, 2, 3, 4, 5, 6)], fn)
     with gs.StreamLoader(changed, batch_size=4, shuffle=True, seed=7) as other:
-        with pytest.raises(gs.InvalidState, match=r"keys of epoch 0 changed since the state was saved"):
+        with pytest.raises(gs.InvalidState,
+                           match=r"keys of epoch 0 changed since the state was saved"):
             other.load_state_dict(state)
 
 

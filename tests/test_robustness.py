@@ -98,7 +98,8 @@ def test_a_sigkilled_worker_raises_worker_died_within_10_s_and_leaves_no_zombie(
         victim = workers[0].pid
         os.kill(victim, signal.SIGKILL)
         killed_at = time.monotonic()
-        with pytest.raises(gs.WorkerDied, match=r"worker process \d+ was killed by SIGKILL") as info:
+        with pytest.raises(gs.WorkerDied,
+                           match=r"worker process \d+ was killed by SIGKILL") as info:
             for _ in batches:
                 pass
         noticed = time.monotonic() - killed_at
@@ -424,7 +425,7 @@ def test_close_during_a_30_s_generator_run_returns_within_2_s(tmp_path):
     assert elapsed < 2.0
     assert len(errors) == 1 and isinstance(errors[0], gs.LoaderClosed)
     for pid in map(int, read_lines(tmp_path / "pids")):
-        wait_for(lambda: dead(pid), 5, f"generator pid {pid} to die")
+        wait_for(lambda pid=pid: dead(pid), 5, f"generator pid {pid} to die")
     assert os.listdir(tmp_path / "cache") == []  # no partial output, no lock file
     with pytest.raises(gs.LoaderClosed, match=r"closed"):
         iter(loader)
@@ -454,7 +455,7 @@ def test_an_interrupted_then_dropped_loader_cleans_up_like_close(tmp_path, sigin
     del loader, it
     gc.collect()
     for pid in map(int, read_lines(tmp_path / "pids")):
-        wait_for(lambda: dead(pid), 5, f"generator pid {pid} to die")
+        wait_for(lambda pid=pid: dead(pid), 5, f"generator pid {pid} to die")
     assert time.monotonic() - start < 2.0
     wait_for(lambda: os.listdir(tmp_path / "cache") == [], 5, "the temp and lock files to go")
 
@@ -495,7 +496,7 @@ def test_jupyter_style_interrupts_20_times_leak_nothing(path, record_property, s
     with gs.StreamLoader(src, batch_size=4, **opts) as loader:
         for i in range(20):
             try:
-                for k, batch in enumerate(loader):
+                for k, _batch in enumerate(loader):
                     if k == 3 + (i * 3) % 20:  # sometimes in the first shard, sometimes later
                         _interrupt_me()
             except KeyboardInterrupt:
@@ -509,7 +510,7 @@ def test_jupyter_style_interrupts_20_times_leak_nothing(path, record_property, s
                 figures.append((i + 1, dict(_flat_snapshot(), in_flight=shards_in_flight())))
             if i == 0:  # the loader's own producer thread exists from the first pass on
                 before = snapshot()
-        batch = None  # noqa: F841  (the last batch holds shared-memory fds)
+        _batch = None  # the last batch holds shared-memory fds: let it go
         found = leaks(before)  # after 20 interrupted passes: nothing more than after the first
         # but the shards in flight: where a pass stopped decides whether the next epoch's first
         # shard is already made (one fd each, bounded by prefetch); any other fd is a leak

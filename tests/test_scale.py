@@ -97,7 +97,8 @@ def test_file_source_reads_fsspec_urls(tmp_path):
         fp.write(b"\x93NUMPY junk")
     try:
         src = gs.FileSource("memory://gs-test/s*.npy")
-        assert [k.rsplit("/", 1)[1] for k in src.keys_for_epoch(0)[0]] == ["s0.npy", "s1.npy", "s2.npy"]
+        names = [k.rsplit("/", 1)[1] for k in src.keys_for_epoch(0)[0]]
+        assert names == ["s0.npy", "s1.npy", "s2.npy"]
         with gs.StreamLoader(src, batch_size=4) as loader:
             ids = [i for b in loader for i in batch_ids(b)]
         assert ids == [1000 * k + i for k, n in enumerate([5, 3, 6]) for i in range(n)]
@@ -109,7 +110,8 @@ def test_file_source_reads_fsspec_urls(tmp_path):
             assert len(ld) == 1 and batch_ids(next(iter(ld))) == [0, 1, 2, 3]
     finally:
         fs.rm("/gs-test", recursive=True)
-    leftovers = [f for f in os.listdir(tempfile.gettempdir()) if f.startswith("gluon_stream_fetch_")]
+    leftovers = [f for f in os.listdir(tempfile.gettempdir())
+                 if f.startswith("gluon_stream_fetch_")]
     assert not leftovers
 
 

@@ -508,7 +508,7 @@ def test_samples_that_also_read_as_columns_or_differ_in_shape_are_refused():
 
 @pytest.mark.mxnet
 def test_gluons_list_dataset_as_a_function_source():
-    """MXNet's test_list_dataset, ported: fn returns the list of samples Gluon's DataLoader takes."""
+    """MXNet's test_list_dataset, ported: fn returns the list of samples a DataLoader takes."""
     import mxnet as mx
 
     samples = [([1, 2], 0), ([3, 4], 1)]

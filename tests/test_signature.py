@@ -47,7 +47,9 @@ def test_help_and_shift_tab_show_the_signature():
 
 def test_the_defaults_are_what_the_loader_does():
     """A loader built with every default written out is the loader built without them."""
-    src = lambda: gs.FunctionSource(range(2), lambda k: np.arange(6.0) + 10 * k, cache_dir=None)
+    def src():
+        return gs.FunctionSource(range(2), lambda k: np.arange(6.0) + 10 * k, cache_dir=None)
+
     defaults = {n: p.default for n, p in inspect.signature(gs.StreamLoader).parameters.items()
                 if p.default is not inspect.Parameter.empty}
     with gs.StreamLoader(src(), 4) as plain, gs.StreamLoader(src(), 4, **defaults) as spelled:

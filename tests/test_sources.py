@@ -33,7 +33,8 @@ FAILED_K1 = ["k1.failed.json"]  # only the failure, recorded beside the shard (n
 
 def test_nonzero_exit_raises_shard_error_after_the_retries_with_the_stderr_tail(tmp_path):
     with source(tmp_path, "exit-nonzero", retries=2) as src:
-        with pytest.raises(gs.ShardError, match=r"(?s)'k1'.*exit code 3.*upstream data missing") as info:
+        with pytest.raises(gs.ShardError,
+                           match=r"(?s)'k1'.*exit code 3.*upstream data missing") as info:
             src.produce("k1", 0)
     assert len(runs(tmp_path)) == 3  # one run plus two retries, then it gives up
     err = info.value
@@ -56,7 +57,7 @@ def test_hang_raises_shard_timeout_and_kills_the_whole_process_group(tmp_path, m
     pids = [int(p) for p in read_lines(tmp_path / "pids")]
     assert len(pids) == (2 if mode == "grandchild-hang" else 1)
     for pid in pids:
-        wait_for(lambda: dead(pid), 5, f"pid {pid} to die")
+        wait_for(lambda pid=pid: dead(pid), 5, f"pid {pid} to die")
     assert os.listdir(tmp_path / "cache") == FAILED_K1
 
 
@@ -209,7 +210,7 @@ def test_close_during_a_30_s_generator_run_returns_fast_and_kills_it(tmp_path):
     assert elapsed < 2.0
     assert len(errors) == 1 and isinstance(errors[0], gs.LoaderClosed)
     for pid in (int(p) for p in read_lines(tmp_path / "pids")):
-        wait_for(lambda: dead(pid), 5, f"pid {pid} to die")
+        wait_for(lambda pid=pid: dead(pid), 5, f"pid {pid} to die")
     assert os.listdir(tmp_path / "cache") == []
     with pytest.raises(gs.LoaderClosed):
         src.produce("k1", 0)

@@ -1,4 +1,4 @@
-"""Stats: numbers against known spans, summary/to_dict, exact timing with an injected clock, logs."""
+"""Stats: numbers against known spans, summary/to_dict, exact timing by an injected clock, logs."""
 from __future__ import annotations
 
 import json

@@ -449,7 +449,7 @@ def test_while_a_shard_is_in_use_only_prefetch_more_are_made():
             for k in range(6):
                 shard = run.next_shard()
                 assert shard.key == k
-                wait_for(lambda: run.ready_ahead() == min(2, 7 - k),
+                wait_for(lambda k=k: run.ready_ahead() == min(2, 7 - k),
                          what="the window to be made")
                 assert run.ready()  # asked at the shard's last batch: starts nothing more
                 time.sleep(0.05)  # an idle producer would start shard k + 3 by now

@@ -422,7 +422,8 @@ def test_a_shard_larger_than_the_budget_is_refused_before_its_first_batch():
     loader = gs.StreamLoader(slow_source([7], rows=10_000), batch_size=10,
                              memory_budget=100_000)
     batches = iter(loader)
-    with pytest.raises(gs.MemoryBudgetTooSmall, match=r"shard 7 \(epoch 0\) needs 781.2 KiB at once "
+    with pytest.raises(gs.MemoryBudgetTooSmall,
+                       match=r"shard 7 \(epoch 0\) needs 781.2 KiB at once "
                        r"\(its raw arrays 390.6 KiB, copy 390.6 KiB\), more than the whole "
                        r"memory_budget of 97.7 KiB"):
         next(batches)
@@ -662,7 +663,8 @@ def test_the_budget_holds_in_every_shape_in_a_fresh_process(shape):
     20 MiB; the slice path, and worker processes), a transform that halves the shard (float64
     made, float32 kept), a shuffle window and a CommandSource whose shards grow: the peak of
     the process's anonymous memory, its workers' and its shared memory over the baseline stays
-    within the budget (growing shards on the slice path peaked at 1.26-1.27x it when only the tuner counted)."""
+    within the budget (growing shards on the slice path peaked at 1.26-1.27x it when only the
+    tuner counted)."""
     probe = budget_shapes.measure_shape(shape)  # in a new process
     assert probe["ratio"] <= 1.0, probe
 

@@ -3,9 +3,9 @@
 MXNet is imported on first use (:func:`import_mxnet`), not when ``gluon_stream`` is imported,
 so the parts that need no MXNet (sources, shard files, stats, ``gluon-stream inspect``) work
 and start fast where MXNet is missing or broken. MXNet 1.9.1 needs ``numpy<1.24`` (it uses
-``np.bool``), or on Python 3.12 numpy 1.26 with those aliases restored (see :func:`restore_numpy_aliases`) and
-setuptools (for ``distutils``); where it cannot be imported, whatever needs it raises an
-ImportError that says which extra to install.
+``np.bool``), or on Python 3.12 numpy 1.26 with those aliases restored (see
+:func:`restore_numpy_aliases`) and setuptools (for ``distutils``); where it cannot be imported,
+whatever needs it raises an ImportError that says which extra to install.
 """
 from __future__ import annotations
 

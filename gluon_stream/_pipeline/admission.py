@@ -19,10 +19,10 @@ counted at once; if it is not the one ranked first and leaves too little room fo
 before it, it is freed and made again when the loop reaches it (:meth:`Admission.made` says
 so). Only the shard ranked first can then exceed the budget, by its own growth: once no
 memory was given back for :data:`PATIENCE_S` while it waited, it is admitted over the budget,
-which is logged, rather than wait for memory only its own progress would free. A reservation that could never fit (one shard's
-parts beyond the whole budget) raises :class:`~gluon_stream.MemoryBudgetTooSmall` before the
-memory is used. A producer waits here without its producer's place (see the stream), every
-wait re-checks the closed flag.
+which is logged, rather than wait for memory only its own progress would free. A reservation that
+could never fit (one shard's parts beyond the whole budget) raises
+:class:`~gluon_stream.MemoryBudgetTooSmall` before the memory is used. A producer waits here without
+its producer's place (see the stream), every wait re-checks the closed flag.
 """
 from __future__ import annotations
 

@@ -7,8 +7,8 @@
   are submitted ahead, across unit boundaries, so rotating to the next shard does not drain the
   workers.
 
-Both take a :class:`~gluon_stream._pipeline.feed.UnitFeed` (units in order, each with its plan) and the
-:class:`~gluon_stream._pipeline.feed.Carry`, and yield ``(planned batch, data)``.
+Both take a :class:`~gluon_stream._pipeline.feed.UnitFeed` (units in order, each with its plan) and
+the :class:`~gluon_stream._pipeline.feed.Carry`, and yield ``(planned batch, data)``.
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ class SlicePath:
         self._copying = threading.Lock()
 
     def _to_ndarrays(self, arrays: tuple, order: np.ndarray | None, what: str) -> tuple:
-        """Producer-side: the shard's rows in ``order`` as NDArrays (one copy, off the loop's path)."""
+        """Producer side: the shard's rows in ``order`` as NDArrays (one copy, off the loop)."""
         check_batchable(arrays, what=what)
         if not len(arrays[0]):
             return arrays

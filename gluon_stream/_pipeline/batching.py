@@ -34,8 +34,8 @@ import numpy as np
 from .._utils import validate as _validate
 from .._utils.random import seeded_rng
 
-__all__ = ["LAST_BATCH_MODES", "Batch", "LastBatch", "BatchPlanner", "MixedUnit", "Position", "Segment",
-           "UnitPlan", "WindowMixer", "mixed_order", "window_slice"]
+__all__ = ["LAST_BATCH_MODES", "Batch", "LastBatch", "BatchPlanner", "MixedUnit", "Position",
+           "Segment", "UnitPlan", "WindowMixer", "mixed_order", "window_slice"]
 
 LAST_BATCH_MODES = ("keep", "discard", "rollover")
 LastBatch = Literal["keep", "discard", "rollover"]  # what to do with an epoch's short tail
@@ -273,7 +273,7 @@ class BatchPlanner:
         return Batch(carry, end), end
 
 
-# -- mixing shards: the samples of k consecutive shards in one shuffled unit ------------------------
+# -- mixing shards: the samples of k consecutive shards in one shuffled unit -----------------------
 @dataclass(frozen=True)
 class MixedUnit:
     """One unit of a shuffle window: which shard and row each of its samples comes from.

@@ -2,10 +2,10 @@
 
 A pass wires an epoch's stages: the stream's :class:`~gluon_stream.stream.EpochRun` (shards in
 order), a feed (units: shards, or the mixed units of a shuffle window), the
-:class:`~gluon_stream._pipeline.batching.BatchPlanner` (which samples form which batch), a batch path
-(slices, or per-sample work on workers) and, with even_batches, :class:`EvenBatches`. Each
-stage owns its position; :attr:`EpochPass.state` composes them after the last batch yielded,
-so a :class:`~gluon_stream._pipeline.state.LoaderState` taken between any two batches, the last one
+:class:`~gluon_stream._pipeline.batching.BatchPlanner` (which samples form which batch), a batch
+path (slices, or per-sample work on workers) and, with even_batches, :class:`EvenBatches`. Each
+stage owns its position; :attr:`EpochPass.state` composes them after the last batch yielded, so a
+:class:`~gluon_stream._pipeline.state.LoaderState` taken between any two batches, the last one
 included, resumes exactly.
 """
 from __future__ import annotations
@@ -215,7 +215,10 @@ class EpochPass:
                 run, feed = self._start_run(position, carry, record, handover)
                 handover = None
                 runs.append((run, feed))
-                for delivered, batch in self._deliver(run, feed, carry, delivered, record, bar):
+                # _deliver counts on from the batches delivered so far and yields the running
+                # count with each batch: the loop carries it into the next run, or the tail
+                for so_far, batch in self._deliver(run, feed, carry, delivered, record, bar):
+                    delivered = so_far
                     yield batch
                 if self.state.position.end or feed.final is not None or feed.failure is not None:
                     break
@@ -224,7 +227,8 @@ class EpochPass:
                     break
                 # samples_per_epoch: the keys ran out before the epoch read its samples
                 if not run.finite:  # an endless key iterator that ended: the stream is over
-                    for delivered, batch in self._close(feed, carry, delivered, record, bar):
+                    for so_far, batch in self._close(feed, carry, delivered, record, bar):
+                        delivered = so_far
                         yield batch
                     break
                 whole = not position.unit and not position.offset
@@ -414,8 +418,9 @@ class EpochPass:
             first[e] = min(first.get(e, unit), WindowMixer.first_shard(unit, window))
         skipped = {(e, j) for e, j in self.start.skipped if j >= first.get(e, j + 1)}
         skipped |= {(epoch, j) for j in skipped_at if j >= first.get(epoch, j + 1)}
+        # where a resume's run starts
         lead = 0 if position.end or even is None or not even.pad else \
-            self._lead(WindowMixer.first_shard(position.unit, window))  # where a resume's run starts
+            self._lead(WindowMixer.first_shard(position.unit, window))
         rows = self._rows_of(first[epoch], max(u for e, u in needed if e == epoch)) \
             if epoch in first else ()
         self.state = LoaderState(position, delivered, tuple(sorted(skipped)), repeat, number,

@@ -1,7 +1,7 @@
 """An epoch's units, each with its batch plan: what both of the loader's batch paths read.
 
-A unit is the thing the :class:`~gluon_stream._pipeline.batching.BatchPlanner` cuts into batches: a shard
-(``shuffle_window=1``), or a :class:`MixedUnit` that mixes the samples of up to k consecutive
+A unit is the thing the :class:`~gluon_stream._pipeline.batching.BatchPlanner` cuts into batches: a
+shard (``shuffle_window=1``), or a :class:`MixedUnit` that mixes the samples of up to k consecutive
 shards (see :class:`~gluon_stream._pipeline.batching.WindowMixer`). :class:`UnitFeed` and
 :class:`WindowFeed` pull the shards from an :class:`~gluon_stream.stream.EpochRun` and hand out
 ``(unit, plan)`` in order; :attr:`UnitFeed.final` is then the epoch's short tail (or the samples
@@ -290,7 +290,8 @@ class WindowFeed(UnitFeed):
                 or self._deferred is not None or self.run.ready())
 
     def next(self) -> tuple[Any, UnitPlan] | None:
-        if self.state is not FeedState.ENDED and self.planner.exhausted:  # samples_per_epoch: the epoch is read
+        # samples_per_epoch: the epoch is read
+        if self.state is not FeedState.ENDED and self.planner.exhausted:
             self._end(True)
             return None
         while not self._units:

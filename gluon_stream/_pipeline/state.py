@@ -1,13 +1,13 @@
 """A loader's position as plain data, for exact resume: encoded, checked, decoded.
 
 A :class:`LoaderState` composes the positions of the stages that own them: the planner's
-(:class:`~gluon_stream._pipeline.batching.Position`: the next unit and row, the samples carried, or the
-end of the epoch), the run's (shards it skipped that a resume must skip again), and
-even_batches' (the batch a part left short repeats). Encoded, it also holds enough to tell
-whether a loader can continue from it: the settings that decide the batches, the keys at the
-positions it refers to (a digest of the epoch's keys up to the next shard, and each carried
-segment's key), and a checksum of all of it, so that a hand-edited or damaged state is refused
-with an :class:`~gluon_stream.InvalidState` naming the problem, never resumed elsewhere.
+(:class:`~gluon_stream._pipeline.batching.Position`: the next unit and row, the samples carried, or
+the end of the epoch), the run's (shards it skipped that a resume must skip again), and
+even_batches' (the batch a part left short repeats). Encoded, it also holds enough to tell whether a
+loader can continue from it: the settings that decide the batches, the keys at the positions it
+refers to (a digest of the epoch's keys up to the next shard, and each carried segment's key), and a
+checksum of all of it, so that a hand-edited or damaged state is refused with an
+:class:`~gluon_stream.InvalidState` naming the problem, never resumed elsewhere.
 """
 from __future__ import annotations
 

@@ -2,9 +2,10 @@
 
 ``memory_budget=`` bounds what a stream holds for data: as a hard limit where memory is made
 (:mod:`.admission`: every shard's parts admitted before they are allocated), and here, softly,
-in the settings chosen within it. :func:`footprint` says what a setting costs, :func:`decide` (pure: measurements and the budget in, a setting and its reason out, no
-clock, no MXNet) what to run with next, and :class:`Tuner` owns the measurements of one stream,
-applies each decision to a :class:`Tunable` and records it.
+in the settings chosen within it. :func:`footprint` says what a setting costs, :func:`decide` (pure:
+measurements and the budget in, a setting and its reason out, no clock, no MXNet) what to run with
+next, and :class:`Tuner` owns the measurements of one stream, applies each decision to a
+:class:`Tunable` and records it.
 
 What is counted, per shard of ``S`` bytes (the largest seen, after ``transform``):
 
@@ -19,8 +20,8 @@ What is counted, per shard of ``S`` bytes (the largest seen, after ``transform``
   (``rows_in_flight`` rows of the shard's bytes per sample).
 
 The least a loader can run with is ``prefetch=0`` and one producer: the shard trained on, and
-the next one's copy with its source beside it (three shards without a transform). A budget below that, or a
-shard larger than the budget, raises :class:`~gluon_stream.MemoryBudgetTooSmall`.
+the next one's copy with its source beside it (three shards without a transform). A budget below
+that, or a shard larger than the budget, raises :class:`~gluon_stream.MemoryBudgetTooSmall`.
 
 The rule, at each shard handed out (from rule 4 on, once at least :data:`MIN_SHARDS` shards
 were handed out since the last change; the per-sample path's workers are tuned only when

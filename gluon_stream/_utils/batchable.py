@@ -77,9 +77,11 @@ def _dtype_fix(dtype: np.dtype) -> str | None:
     if dtype.kind == "m":
         return "float seconds: a / np.timedelta64(1, 's'), or a.astype('int64')"
     if dtype.kind == "c":
-        return "split real and imaginary parts: np.stack([a.real, a.imag], axis=-1).astype('float32')"
+        return ("split real and imaginary parts: "
+                "np.stack([a.real, a.imag], axis=-1).astype('float32')")
     if dtype.kind in "US":
-        return "encode the strings as integer ids: np.unique(a, return_inverse=True)[1].astype('int32')"
+        return ("encode the strings as integer ids: "
+                "np.unique(a, return_inverse=True)[1].astype('int32')")
     if dtype.kind == "V":
         return "view the bytes as uint8: a.view(np.uint8).reshape(len(a), -1)"
     if dtype.kind == "u":

@@ -139,7 +139,7 @@ def _as_numpy(item: Any) -> np.ndarray:
 
 
 def sample_axis_problem(shapes: Iterable[tuple[Any, tuple]]) -> str | None:
-    """Why ``(name, shape)`` pairs cannot form one shard (no sample axis, lengths differ), or None."""
+    """Why ``(name, shape)`` pairs cannot form a shard (no sample axis, lengths differ), or None."""
     shapes = list(shapes)
     for name, shape in shapes:
         if len(shape) == 0:

@@ -177,8 +177,8 @@ class LocalShardCache:
             except FileNotFoundError:
                 continue
             if stat.S_ISLNK(mode):
-                raise UnsafeShard(f"cached shard {path!r} is a symlink; gluon_stream does not follow "
-                                  "links in its cache. Remove it", path=path)
+                raise UnsafeShard(f"cached shard {path!r} is a symlink; gluon_stream does not "
+                                  "follow links in its cache. Remove it", path=path)
             if not stat.S_ISREG(mode):
                 reason = "not a regular file (a directory, FIFO or device)"
                 raise CorruptShard(f"cached shard {path!r} is {reason}; gluon_stream never "

@@ -94,7 +94,8 @@ def describe_change(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> 
         if field == "command" and isinstance(old, list) and isinstance(new, list) \
                 and len(old) == len(new):
             parts.append("command " + ", ".join(
-                f"argument {i}: {a!r} -> {b!r}" for i, (a, b) in enumerate(zip(old, new)) if a != b))
+                f"argument {i}: {a!r} -> {b!r}"
+                for i, (a, b) in enumerate(zip(old, new)) if a != b))
         elif field == "env":
             parts.append("env= changed" if old and new else
                          f"env= {'given' if new else 'no longer given'}")

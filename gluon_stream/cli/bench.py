@@ -37,7 +37,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--shards", type=positive_int, default=6, help="shards per epoch")
     parser.add_argument("--rows", type=positive_int, default=2576,
                         help="raw rows per shard (samples = rows - time steps)")
-    parser.add_argument("--inputs", type=positive_int, default=8, help="input columns of the series")
+    parser.add_argument("--inputs", type=positive_int, default=8,
+                        help="input columns of the series")
     parser.add_argument("--time-steps", type=positive_int, default=16, help="window length")
     parser.add_argument("--batch-size", type=positive_int, default=64, help="samples per batch")
     parser.add_argument("--step", choices=("sleep", "cpu"), default="sleep",

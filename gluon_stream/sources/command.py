@@ -67,7 +67,8 @@ class CommandSource(CachingSource):
                  on_change: str = "regenerate") -> None:
         if isinstance(command, (str, bytes)) or not command:
             raise TypeError("command must be a non-empty list of arguments (argv), e.g. "
-                            "['./gen', '--date', '{key}', '--out', '{path}']; it never runs in a shell")
+                            "['./gen', '--date', '{key}', '--out', '{path}']; it never runs in a "
+                            "shell")
         if not any("{path}" in str(arg) for arg in command):
             raise ValueError("command must contain '{path}': the program writes the shard there")
         retries = _validate.integer("retries", retries, minimum=0)
@@ -209,8 +210,8 @@ class CommandSource(CachingSource):
                     "argument by passing an open file: with open(path, 'wb') as f: "
                     f"np.save(f, ...) or np.savez(f, ...){hint}")
         if not os.path.isdir(self._require_cache().root):
-            return (f"cache_dir {self._require_cache().root!r} was deleted while it ran, with the file it "
-                    "wrote")
+            return (f"cache_dir {self._require_cache().root!r} was deleted while it ran, with the "
+                    "file it wrote")
         return f"wrote no file at {tmp!r} (it must write to the '{{path}}' argument)"
 
     def close(self) -> None:

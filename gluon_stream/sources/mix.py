@@ -122,7 +122,8 @@ class MixSource(Source):
     (:meth:`~gluon_stream.sources.CachingSource.set_namespace`), so sources may share one
     ``cache_dir`` even with equal keys; shards cached by a source used alone, under its bare
     keys, are made again once. ``loader.stats.per_source()`` counts the samples of each source
-    the loop received, and ``summary()`` shows a line per source of what was produced. Closing the mix closes its sources.
+    the loop received, and ``summary()`` shows a line per source of what was produced. Closing the
+    mix closes its sources.
 
     Args:
         sources: ``{name: source}``; names are 1-200 letters, digits or ``_.:=@,-`` (no

@@ -1,4 +1,4 @@
-"""Benchmarks: gluon_stream against MXNet's own ways of feeding a Gluon loop (``gluon-stream bench``).
+"""Benchmarks: gluon_stream against MXNet's own ways to feed a Gluon loop (``gluon-stream bench``).
 
 Every contender trains on the same workload, interleaved in one run (A B C ... A B C ...,
 ``--rounds`` times), and the table shows medians over rounds and ratios taken within each

@@ -6,8 +6,9 @@ Memory is what the loader makes: the anonymous resident memory of the process (`
 what its worker processes (children running this same program; a ``CommandSource``'s
 generator programs are not the loader's) hold beyond what they had when first seen (the
 pages shared with the parent since their fork count once, in the parent), and the shared
-memory it holds (the ``memfd`` files open in the process). The new process runs with ``MALLOC_MMAP_THRESHOLD_`` low, so that freed shards go
-back to the OS and resident memory tracks what the loader holds.
+memory it holds (the ``memfd`` files open in the process). The new process runs with
+``MALLOC_MMAP_THRESHOLD_`` low, so that freed shards go back to the OS and resident memory tracks
+what the loader holds.
 
 Shapes (see :data:`SHAPES`): shards that grow mid-stream (2 MiB, then 20 MiB) on the slice
 path, and with worker processes; a transform that halves the shard (float64 made, float32
