@@ -4,7 +4,8 @@ import time
 
 import pytest
 
-from gluon_stream._pipeline.producers import Throttle
+from gluon_stream import FunctionSource
+from gluon_stream._pipeline.producers import ProducerPool, Throttle
 from gluon_stream.errors import LoaderClosed
 
 pytestmark = pytest.mark.fast
@@ -103,3 +104,32 @@ def test_more_places_let_the_next_in_rank_order_work():
     for thread in threads:
         thread.join(10)
     assert throttle.running == 0
+
+
+def test_a_ctrl_c_while_a_producer_thread_starts_loses_no_thread(monkeypatch):
+    """Ctrl-C lands in the main thread, which submits; in ``Thread.start()``'s wait for the new
+    thread it leaves that thread running. The pool still counts it: no second thread of its
+    name, no more than its bound, and close() joins it."""
+    pool = ProducerPool(FunctionSource(range(1), lambda key: [[key]]), Throttle(1, 1))
+    start, started = threading.Thread.start, []
+
+    def start_then_interrupt(thread):
+        start(thread)
+        if not started:
+            started.append(thread)
+            raise KeyboardInterrupt  # as SIGINT delivered while start() waits for the thread
+
+    release = threading.Event()
+    monkeypatch.setattr(threading.Thread, "start", start_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        pool.executor.submit(release.wait, 10)
+    monkeypatch.undo()
+    for _ in range(3):  # more work than threads: the pool starts all it may
+        pool.executor.submit(release.wait, 10)
+    _wait_until(lambda: started[0].is_alive())
+    names = sorted(t.name for t in threading.enumerate() if t.name.startswith(
+        "gluon_stream-producer"))
+    release.set()
+    pool.close()
+    assert names == ["gluon_stream-producer_0", "gluon_stream-producer_1"]
+    assert not started[0].is_alive()  # close() joined it

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .._utils.closing import CLOSE_WAIT_S, WAIT_SLICE_S, end_thread_pool
+from .._utils.thread_pool import ThreadPool
 from .numpy_mode import numpy_mode
 from .samples import BatchMaker, Refs
 from .worker_deaths import closed_while, too_slow
@@ -75,7 +76,7 @@ class ThreadWorkers(InlineWorkers):
     def __init__(self, num_workers: int, maker: BatchMaker) -> None:
         super().__init__(maker)
         self.depth = PER_WORKER * num_workers
-        self._pool = cf.ThreadPoolExecutor(num_workers, thread_name_prefix="gluon_stream-worker")
+        self._pool = ThreadPool(num_workers, thread_name_prefix="gluon_stream-worker")
         self._futures: dict[int, cf.Future] = {}
         self._warm = False
         self._closed = threading.Event()

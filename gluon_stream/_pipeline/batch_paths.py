@@ -26,6 +26,7 @@ from .._mx import shm as mx_shm
 from .._mx.consumed import consumable
 from .._utils.batchable import check_batchable
 from .._utils.columns import ShapedArrays
+from .._utils.thread_pool import ThreadPool
 from ..stream import Prepare
 from .batching import Batch, Segment, UnitPlan
 from .contracts import Workers
@@ -113,7 +114,7 @@ class SlicePath:
         """:meth:`mix` in this path's mixing thread, off the loop's path (the gather of a unit
         costs about one shard's copy, as the producer's copy of a shard does)."""
         if self._mixer is None:
-            self._mixer = cf.ThreadPoolExecutor(1, thread_name_prefix="gluon_stream-mixer")
+            self._mixer = ThreadPool(1, thread_name_prefix="gluon_stream-mixer")
         return self._mixer.submit(self.mix, mixed)
 
     def cut(self, unit: Any, segment: Segment) -> tuple:

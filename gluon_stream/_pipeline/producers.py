@@ -2,7 +2,6 @@
 how many of them may work at once (``producers='auto'`` grows it)."""
 from __future__ import annotations
 
-import concurrent.futures as cf
 import contextlib
 import heapq
 import itertools
@@ -12,6 +11,7 @@ import weakref
 from typing import Iterator
 
 from .._utils.closing import CLOSE_WAIT_S, WAIT_SLICE_S, end_thread_pool
+from .._utils.thread_pool import ThreadPool
 from ..errors import LoaderClosed
 from ..sources import Source
 
@@ -134,9 +134,9 @@ class ProducerPool:
         self.throttle = throttle
         # twice the producers: a thread may wait for a shard's generation ahead (or, with
         # balanced strides, for the shards before it) with its producer's place given up, and
-        # the place must find a thread to work in meanwhile
-        self.executor = cf.ThreadPoolExecutor(2 * throttle.bound,
-                                              thread_name_prefix="gluon_stream-producer")
+        # the place must find a thread to work in meanwhile; ThreadPool: a Ctrl-C in submit
+        # cannot leave a thread running that the pool does not count or join
+        self.executor = ThreadPool(2 * throttle.bound, thread_name_prefix="gluon_stream-producer")
         self.closed = threading.Event()
         self.runs: weakref.WeakSet = weakref.WeakSet()
 
