@@ -579,17 +579,24 @@ class ShardStream(Closing):
 
     def _produce(self, key: Any, epoch: int, index: int, run: "EpochRun | None",
                  prepare: Prepare | None, adm: Admission | None = None) -> Shard:
-        """Runs in a producer thread: generate/load, transform, shuffle, prepare."""
-        if run is not None and run.cancelled:
-            raise LoaderClosed("epoch pass cancelled")
-        if run is None:  # produce_now: in the caller's thread, outside the producers' count
-            return self._make(key, epoch, index, run, prepare, adm=adm)
-        try:  # made ahead into the cache: only loading is left once its generation is done
-            with self._placed(run, index) as generated_s:
-                shard = self._make(key, epoch, index, run, prepare, adm=adm)
+        """Runs in a producer thread: generate/load, transform, shuffle, prepare. A failure
+        gives its admission back here: the submitter may never have had the future (a Ctrl-C
+        in ``submit``), so its done-callback may not be there to do it."""
+        try:
+            if run is not None and run.cancelled:
+                raise LoaderClosed("epoch pass cancelled")
+            if run is None:  # produce_now: in the caller's thread, outside the producers' count
+                return self._make(key, epoch, index, run, prepare, adm=adm)
+            try:  # made ahead into the cache: only loading is left once its generation is done
+                with self._placed(run, index) as generated_s:
+                    shard = self._make(key, epoch, index, run, prepare, adm=adm)
+            except BaseException:
+                if run.offsets is not None:  # the shards after it stop waiting for its size
+                    run.offsets.failed(index)
+                raise
         except BaseException:
-            if run.offsets is not None:  # the shards after it stop waiting for its size
-                run.offsets.failed(index)
+            if adm is not None:
+                adm.release()  # idempotent
             raise
         if generated_s and shard.record is not None:
             shard.record.generate_s += generated_s

@@ -3,7 +3,9 @@ order the loop needs them (gluon_stream._pipeline.admission). Pure: no MXNet."""
 from __future__ import annotations
 
 import threading
+import time
 
+import numpy as np
 import pytest
 
 import gluon_stream as gs
@@ -149,3 +151,54 @@ def test_the_shard_the_loop_needs_is_admitted_even_when_only_its_own_progress_fr
     assert gate.over == 1 and gate.used == 36 * MB
     assert "shard 1 (epoch 0) is admitted over the budget" in caplog.text
     assert "shard 0 (epoch 0) (handed out): copy 20.0 MiB" in caplog.text
+
+
+def test_a_shard_whose_submitter_lost_its_future_gives_its_memory_back(monkeypatch):
+    """A Ctrl-C inside ``submit`` (in ``Thread.start()``'s wait) reaches the loop after the
+    work was queued: the stream never gets the future, so no done-callback releases the
+    shard's admission. Whatever the queued work then does on the cancelled pass, the
+    admission ends given back, or the budget would stay held for the stream's life (a guard:
+    here the shard is made and freed; the next test holds the early failure)."""
+    gate_seen: list = []
+    stream = gs.ShardStream(gs.FunctionSource(range(4), lambda key: np.ones((64, 4))),
+                            memory_budget=64 << 20, prefetch=1, producers=1)
+    executor = stream._res.executor
+    submit = executor.submit
+
+    def submit_then_interrupt(*args, **kwargs):
+        submit(*args, **kwargs)  # queued: a producer thread runs it
+        raise KeyboardInterrupt  # and the caller never sees the future
+
+    with stream:
+        gate_seen.append(stream.gate)
+        run = stream.start_epoch()
+        release = threading.Event()
+        submit(release.wait, 10)  # the one producer is busy until the pass is cancelled
+        monkeypatch.setattr(executor, "submit", submit_then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            run.next_shard()
+        monkeypatch.undo()
+        run.cancel()  # as the loop does when the interrupt leaves the pass
+        release.set()  # the queued shard now runs, on a cancelled pass
+        deadline = time.monotonic() + 10
+        while stream.gate.in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+    gate = gate_seen[0]
+    # every admission given back: an open one would rank before every later shard for ever,
+    # keeping room for what it still expects
+    assert (gate.in_flight, gate.used) == (0, 0)
+
+
+def test_a_shard_failing_before_it_is_made_gives_its_admission_back():
+    """The early failure of the lost-future case above, directly: a pass cancelled before its
+    queued shard runs. ``_produce`` gives the admission back itself (the done-callback that
+    would is missing where the submitter lost the future)."""
+    with gs.ShardStream(gs.FunctionSource(range(2), lambda key: np.ones((64, 4))),
+                        memory_budget=64 << 20, prefetch=1, producers=1) as stream:
+        run = stream.start_epoch()
+        run.cancel()
+        adm = stream._open_admission(0, 0, 0)
+        assert stream.gate.in_flight == 1
+        with pytest.raises(gs.LoaderClosed):
+            stream._produce(0, 0, 0, run, None, adm)
+        assert (stream.gate.in_flight, stream.gate.used) == (0, 0)

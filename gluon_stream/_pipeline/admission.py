@@ -126,6 +126,12 @@ class MemoryGate:
         self._given_at = clock()  # when memory was last given back
         self._closed = False
 
+    @property
+    def in_flight(self) -> int:
+        """Admissions open for shards being made (not yet handed out, freed or failed)."""
+        with self._cond:
+            return len(self._open)
+
     def open(self, rank: tuple, what: str, transformed: bool) -> Admission:
         """An admission for one shard, expected at the largest sizes seen."""
         adm = Admission(self, rank, what, transformed)
