@@ -73,13 +73,18 @@ def measure(budget: int, shard_bytes: int, path: str = "slices", generate_s: flo
             timeout: float = 300) -> dict:
     """Run the probe in a new process: ``{"over": peak bytes over the baseline, "changes":
     [[setting, old, new], ...]}``."""
+    return in_new_process(__name__, [str(budget), str(shard_bytes), path, str(generate_s)],
+                          "the budget probe", timeout)
+
+
+def in_new_process(module: str, argv: list[str], what: str, timeout: float) -> dict:
+    """Run ``python -m module *argv`` in a new process with ``MALLOC_MMAP_THRESHOLD_`` low
+    (freed shards go back to the OS) and return the JSON line it prints last."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    done = subprocess.run([sys.executable, "-m", __name__, str(budget), str(shard_bytes), path,
-                           str(generate_s)], env=env, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    done = subprocess.run([sys.executable, "-m", module, *argv], env=env, capture_output=True,
+                          text=True, timeout=timeout, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"the budget probe failed ({done.returncode}): "
-                           f"{done.stderr[-2000:]}")
+        raise RuntimeError(f"{what} failed ({done.returncode}): {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

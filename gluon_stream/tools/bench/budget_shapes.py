@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -31,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from ... import CommandSource, FunctionSource, StreamLoader
+from .budget_probe import in_new_process
 
 __all__ = ["SHAPES", "measure_shape"]
 
@@ -205,13 +205,7 @@ def run_shape(shape: str, generate_s: float = 0.01) -> dict:
 
 def measure_shape(shape: str, timeout: float = 300) -> dict:
     """:func:`run_shape` in a new process (``MALLOC_MMAP_THRESHOLD_=65536``)."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    done = subprocess.run([sys.executable, "-m", __name__, shape], env=env,
-                          capture_output=True, text=True, timeout=timeout, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"the budget probe of {shape!r} failed ({done.returncode}): "
-                           f"{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return in_new_process(__name__, [shape], f"the budget probe of {shape!r}", timeout)
 
 
 def main() -> None:
