@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import re
 import shutil
 import stat
+from typing import Any
 
-__all__ = ["TEMP_MARKER", "discard_path", "is_disk_full", "remove_if_exists"]
+__all__ = ["TEMP_MARKER", "discard_path", "is_disk_full", "remove_if_exists",
+           "replace_with_json"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +42,18 @@ def remove_if_exists(path: str | os.PathLike) -> None:
         os.unlink(path)
     except FileNotFoundError:
         logger.debug("%s already removed", os.fspath(path))
+
+
+def replace_with_json(path: str, value: Any, tmp: str) -> None:
+    """Put ``value`` as JSON at ``path`` atomically: written to the new temp path ``tmp``
+    (created, never an existing file; removed either way), then renamed into place. Values
+    JSON has no form for are written as their ``str``."""
+    try:
+        with open(tmp, "x", encoding="utf-8") as fp:
+            json.dump(value, fp, sort_keys=True, default=str)
+        os.replace(tmp, path)
+    finally:
+        remove_if_exists(tmp)
 
 
 def discard_path(path: str | os.PathLike) -> None:

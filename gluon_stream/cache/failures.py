@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .._utils.files import remove_if_exists
+from .._utils.files import remove_if_exists, replace_with_json
 from ..errors import (
     CacheFull,
     CommandNotFound,
@@ -125,12 +125,7 @@ def write_failure(root: str, name: str, recipe: Any, exc: BaseException, tmp: st
         record.update(argv=exc.argv, returncode=exc.returncode,
                       stderr_tail=exc.stderr_tail[-_MAX_TEXT:])
     path = failure_path(root, name)
-    try:
-        with open(tmp, "x", encoding="utf-8") as fp:
-            json.dump(record, fp, sort_keys=True, default=str)
-        os.replace(tmp, path)
-    finally:
-        remove_if_exists(tmp)
+    replace_with_json(path, record, tmp)
     return path
 
 

@@ -13,7 +13,7 @@ import os
 from typing import Any, Mapping
 
 from .._utils import validate as _validate
-from .._utils.files import remove_if_exists
+from .._utils.files import replace_with_json
 
 __all__ = ["SIZES_FILE", "add_sizes", "read_sizes"]
 
@@ -46,9 +46,4 @@ def add_sizes(root: str, sizes: Mapping[str, Mapping[str, Any]], tmp: str) -> No
     """Add ``sizes`` (as :func:`read_sizes` gives them) to the record in ``root``, written to
     the temp path ``tmp`` (removed either way) and renamed into place."""
     merged = {**read_sizes(root), **sizes}
-    try:
-        with open(tmp, "w", encoding="utf-8") as fp:
-            json.dump({"version": 1, "shards": merged}, fp, sort_keys=True)
-        os.replace(tmp, os.path.join(root, SIZES_FILE))
-    finally:
-        remove_if_exists(tmp)
+    replace_with_json(os.path.join(root, SIZES_FILE), {"version": 1, "shards": merged}, tmp)
