@@ -43,10 +43,3 @@ def test_choices_and_callables():
     with pytest.raises(TypeError, match="transform must be a callable or None, got int"):
         _validate.callable_or_none("transform", 3)
 
-
-def test_unset_is_a_falsy_singleton_that_pickles_as_itself():
-    import pickle
-
-    assert not _validate.UNSET and repr(_validate.UNSET) == "<unset>"
-    assert pickle.loads(pickle.dumps(_validate.UNSET)) is _validate.UNSET
-    assert not _validate.is_set(_validate.UNSET) and _validate.is_set(None)

@@ -3,9 +3,6 @@
 * Integers: ``int`` or a numpy integer, never ``bool`` (``prefetch=True`` is a mistake, not 1).
 * Durations: a real number of seconds (not ``bool``, not NaN); ``None`` where "no limit" is allowed.
 * Messages name the argument, the value and what to pass instead.
-
-:data:`UNSET` marks an argument the caller did not give, where "given" matters (options that
-must be set on a :class:`~gluon_stream.ShardStream` instead of the loader).
 """
 from __future__ import annotations
 
@@ -14,36 +11,8 @@ import numbers
 import re
 from typing import Any, Callable, Iterable, Literal, overload
 
-__all__ = ["UNSET", "byte_size", "callable_or_none", "choice", "every_nth", "format_bytes",
-           "integer", "is_int", "is_set", "ordinal", "seconds"]
-
-
-class _Unset:
-    """The type of :data:`UNSET`: a default that means "not given"."""
-
-    _instance: "_Unset | None" = None
-
-    def __new__(cls) -> "_Unset":
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self) -> str:
-        return "<unset>"
-
-    def __bool__(self) -> bool:
-        return False
-
-    def __reduce__(self) -> str:
-        return "UNSET"
-
-
-UNSET: Any = _Unset()
-
-
-def is_set(value: Any) -> bool:
-    """True unless ``value`` is :data:`UNSET`."""
-    return value is not UNSET
+__all__ = ["byte_size", "callable_or_none", "choice", "every_nth", "format_bytes", "integer",
+           "is_int", "ordinal", "seconds"]
 
 
 def is_int(value: Any) -> bool:
