@@ -139,19 +139,19 @@ def load_any(state: Any, settings: Mapping[str, Any], stream: ShardStream,
     remainder (installed on ``stream`` for it), or a rank's plain state (``decode`` decodes
     those). A refused state leaves the stream's remainder as it was."""
     def dealt(epoch: int, parts: int, part: int, deal: str) -> list:
-        return stream.dealt_keys(epoch, parts, part, deal, settings["seed"])
+        return stream.dealer.dealt_keys(epoch, parts, part, deal, settings["seed"])
 
-    before = stream.remainder
+    before = stream.dealer.remainder
     try:
         if isinstance(state, Mapping) and "elastic" in state:
-            start, remainder = load_merged(state, settings, dealt, stream.endless_keys,
-                                           stream.counted_size)
+            start, remainder = load_merged(state, settings, dealt, stream.dealer.endless_keys,
+                                           stream.producer.counted_size)
             stream.set_remainder(remainder)
             return start
         if isinstance(state, Mapping) and "remainder" in state:
             verify(state)
-            stream.set_remainder(resolve(state["remainder"], dealt, stream.endless_keys,
-                                         size_of=stream.counted_size))
+            stream.set_remainder(resolve(state["remainder"], dealt, stream.dealer.endless_keys,
+                                         size_of=stream.producer.counted_size))
         else:
             stream.set_remainder(None)
         return decode()
@@ -166,7 +166,7 @@ def remainder_fields(stream: ShardStream, epoch: int, loader_epoch: int | None =
     remainder ``stream`` reads (None: none it needs): its spec, and the stride each piece gave
     this rank (a merge needs them). With ``samples_per_epoch`` only a state in the remainder
     needs it: the next epoch is read from the stream, not after the remainder."""
-    remainder = stream.remainder
+    remainder = stream.dealer.remainder
     if remainder is None or epoch > remainder.epoch + 1:
         return None
     if remainder.fixed and (loader_epoch != remainder.epoch or epoch != remainder.epoch):

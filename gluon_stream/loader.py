@@ -247,7 +247,7 @@ class StreamLoader(Closing):
             self.num_workers = self._tuned_workers
         self.samples_per_epoch = (None if samples_per_epoch is None else _validate.integer(
             "samples_per_epoch", samples_per_epoch, minimum=1, hint="or None"))
-        stream.keep_keys = self.samples_per_epoch is not None  # epochs restart passes
+        stream.dealer.keep_keys = self.samples_per_epoch is not None  # epochs restart passes
         self._starts = PassStarts(stream, self.samples_per_epoch, self.batch_size,
                                   self.last_batch, self.shuffle_window)
         self._counts = BatchCounts(stream, self.batch_size, self.last_batch, even_batches,
@@ -371,8 +371,8 @@ class StreamLoader(Closing):
         if self._job is not None:  # the ranks step together: merge_states compares them
             extra["job"] = self._job
         return encode_state(state, self._settings_saved(),
-                            self.stream.epoch_keys(position.epoch)[2],
-                            self.stream.kept_key(position.epoch, position.unit), extra)
+                            self.stream.dealer.epoch_keys(position.epoch)[2],
+                            self.stream.dealer.kept_key(position.epoch, position.unit), extra)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict` of a loader built with the same arguments.
@@ -393,13 +393,13 @@ class StreamLoader(Closing):
             settings["seed"] = seed
         decoded = load_any(state, settings, self.stream, lambda: decode_state(
             state, settings, self.batch_size,
-            lambda epoch: self._keys_with_seed(epoch, settings["seed"]), self.stream.key_at))
+            lambda epoch: self._keys_with_seed(epoch, settings["seed"]), self.stream.dealer.key_at))
         if adopt and seed is not None:
             self.stream.adopt_seed(int(seed))
         self._starts.load(decoded)
 
     def _keys_with_seed(self, epoch: int, seed: int) -> list | None:
-        return self.stream.epoch_keys(epoch, seed=seed)[2]
+        return self.stream.dealer.epoch_keys(epoch, seed=seed)[2]
 
     def close(self) -> None:
         """Stop producers, end worker pools, kill generators, remove temp files; idempotent."""

@@ -106,7 +106,7 @@ def main() -> None:
                 trainer.step(BATCH_SIZE)
                 batches.append([int(i) for i in ids.asnumpy()])
             epochs.append({"epoch": epoch, "len": expected, "len_unknown": unknown,
-                           "batches": batches, "keys": stream.epoch_keys(epoch)[2],
+                           "batches": batches, "keys": stream.dealer.epoch_keys(epoch)[2],
                            "part_sizes": stream.sizes.part_sizes(epoch)})
             times[f"epoch{epoch}"] = time.time()
         parts = {"num_parts": stream.num_parts, "part_index": stream.part_index,

@@ -434,7 +434,7 @@ def test_a_shard_changed_since_a_window_state_was_saved_is_refused_naming_it():
                               shuffle=True, seed=0, shuffle_window=2, num_parts=3, part_index=0)
     try:
         changed.load_state_dict(merged)
-        key = next(p.key for p in changed.stream.remainder.pieces
+        key = next(p.key for p in changed.stream.dealer.remainder.pieces
                    if any(t.expect is not None for t in p.takes))
         with pytest.raises(gs.InvalidState,
                            match=rf"field 'unit_lengths'.* of shard {key} of epoch 0"):

@@ -202,7 +202,7 @@ def test_a_failure_met_while_looking_ahead_is_raised_where_the_loop_reaches_it(p
     from gluon_stream._pipeline import feed as feed
     sizes = [12] * 6
     with make(2, sizes=sizes, seed=5) as probe:
-        bad = probe.stream.epoch_keys(0)[2][position]  # the shard at this place of the order
+        bad = probe.stream.dealer.epoch_keys(0)[2][position]  # the shard at this place of the order
 
     def fn(key):  # the bad shard's arrays have another trailing shape: SchemaMismatch
         ids, half = id_shards(sizes)(key)
@@ -259,7 +259,7 @@ def test_resume_is_exact_around_a_skipped_shard(failing):
             state = json.loads(json.dumps(first.state_dict()))
         made.clear()
         with make() as second:
-            order = second.stream.epoch_keys(0)[2]
+            order = second.stream.dealer.epoch_keys(0)[2]
             second.load_state_dict(state)
             assert head + [batch_ids(b) for b in second] == reference, k
         recorded = {order[j] for _, j in state["skipped"]}

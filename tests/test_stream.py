@@ -172,7 +172,9 @@ def test_a_shard_made_before_its_callback_is_attached_generates_no_shard_of_the_
     generation, and a straggler at shard 1 would hold both producers (it did: the straggler
     test above failed on a busy machine)."""
     import concurrent.futures as cf
-    submit, generate = gs.ShardStream.submit_shard, gs.ShardStream.submit_generation
+
+    from gluon_stream._pipeline.produce import Producer
+    submit, generate = Producer.submit_shard, Producer.submit_generation
     ahead = []
 
     def made_at_once(self, key, epoch, index, run, prepare):
@@ -185,8 +187,8 @@ def test_a_shard_made_before_its_callback_is_attached_generates_no_shard_of_the_
         ahead.append((epoch, key))
         return generate(self, key, epoch, index, run)
 
-    monkeypatch.setattr(gs.ShardStream, "submit_shard", made_at_once)
-    monkeypatch.setattr(gs.ShardStream, "submit_generation", generate_spied)
+    monkeypatch.setattr(Producer, "submit_shard", made_at_once)
+    monkeypatch.setattr(Producer, "submit_generation", generate_spied)
     src = gs.FunctionSource(range(8), lambda k: np.arange(2) + 100 * k,
                             cache_dir=tmp_path / "cache")
     with gs.ShardStream(src, prefetch=1, producers=2) as stream:

@@ -33,7 +33,10 @@ from .contracts import Workers
 from .feed import Carry, MixedData, UnitFeed
 from .shard import owned_each
 
-__all__ = ["Ordered", "SamplePath", "SlicePath"]
+__all__ = ["SMALL_SHARD_BYTES", "Ordered", "SamplePath", "SlicePath"]
+
+#: a shard of at most this many bytes stays in numpy until its batches are joined
+SMALL_SHARD_BYTES = 64 << 10
 
 
 class Ordered(ShapedArrays):
@@ -78,10 +81,14 @@ class SlicePath:
         self._copying = threading.Lock()
 
     def _to_ndarrays(self, arrays: tuple, order: np.ndarray | None, what: str) -> tuple:
-        """Producer side: the shard's rows in ``order`` as NDArrays (one copy, off the loop)."""
+        """Producer side: the shard's rows in ``order`` as NDArrays (one copy, off the loop).
+        A small shard (at most :data:`SMALL_SHARD_BYTES`) stays a numpy copy: its batches join
+        many shards, and one NDArray per batch costs less than one per shard and array."""
         check_batchable(arrays, what=what)
         if not len(arrays[0]):
             return arrays
+        if sum(int(a.nbytes) for a in arrays) <= SMALL_SHARD_BYTES:
+            return tuple(np.array(a) if order is None else a[order] for a in arrays)
         consume = _consumed(arrays)
         with self._copying:
             return tuple(mx_arrays.to_ndarray(arrays[i], self.ctx, order, consume=consume[i])
@@ -137,19 +144,19 @@ class SlicePath:
                 if not self._left and not parts:
                     # the unit's last batch is a copy: a slice would keep the whole unit alive
                     # while the loop holds the batch and waits for the next shard
-                    piece = tuple(copy(a) for a in piece)
+                    piece = tuple(a if isinstance(a, np.ndarray) else copy(a) for a in piece)
                 parts.append(piece)
-                yield batch, _as_batch(_join(parts))
+                yield batch, _as_batch(_join(parts, self.ctx))
             feed.done(unit, plan)
             del unit, arrays, item
         if feed.final is not None:
-            yield feed.final, _as_batch(_join(carry.take_all()))
+            yield feed.final, _as_batch(_join(carry.take_all(), self.ctx))
         if feed.failure is not None:
             raise feed.failure
 
     def join(self, chunks: list[tuple], seed: int | None = None) -> Any:
         """A batch of carried chunks (rows cut from units), e.g. a resumed batch to repeat."""
-        return _as_batch(_join(chunks))
+        return _as_batch(_join(chunks, self.ctx))
 
     def ready(self) -> bool:
         """Whether the next batch comes without waiting (for a shard to be produced)."""
@@ -374,11 +381,18 @@ def _name(unit: Any) -> str:
     return f"shard {unit.key!r}"
 
 
-def _join(parts: list) -> tuple:
-    """Arrays of a batch from its parts (tuples of NDArrays), joined along the sample axis."""
-    if len(parts) == 1:
-        return parts[0]
-    return tuple(mx_arrays.concat(list(arrays)) for arrays in zip(*parts))
+def _join(parts: list, ctx: Any) -> tuple:
+    """Arrays of a batch from its parts (tuples of NDArrays, or numpy copies of small shards),
+    joined along the sample axis: numpy parts are joined in numpy and copied into ``ctx`` once."""
+    return tuple(_join_one(list(arrays), ctx) for arrays in zip(*parts))
+
+
+def _join_one(pieces: list, ctx: Any) -> Any:
+    if all(isinstance(p, np.ndarray) for p in pieces):
+        joined = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        return mx_arrays.to_ndarray(joined, ctx)
+    pieces = [mx_arrays.to_ndarray(p, ctx) if isinstance(p, np.ndarray) else p for p in pieces]
+    return mx_arrays.concat(pieces)
 
 
 def _as_batch(arrays: tuple) -> Any:

@@ -184,6 +184,7 @@ class BatchPlanner:
         self.start = start
         self.epoch = start.epoch
         self._carry: list[Segment] = list(start.carry)
+        self._carried = start.carried  # samples in _carry, kept with it (read once per unit)
         self._next_unit = start.unit
         self.epoch_samples = epoch_samples
         self.taken = start.taken  # samples of the epoch read so far
@@ -196,7 +197,7 @@ class BatchPlanner:
 
     @property
     def carried(self) -> int:
-        return sum(s.size for s in self._carry)
+        return self._carried
 
     def add(self, unit: int, length: int, key: Any = None) -> UnitPlan:
         """Unit ``unit`` (the next in order; skipped units are simply never added) holds
@@ -224,14 +225,15 @@ class BatchPlanner:
         pos, joined = offset, None
         carried_before = len(self._carry)  # segments of earlier adds: not this unit's leftover
         if self._carry and pos < read:
-            take = min(bs - self.carried, read - pos)
+            take = min(bs - self._carried, read - pos)
             self._carry.append(Segment(self.epoch, unit, pos, pos + take, key))
+            self._carried += take
             pos += take
-            if self.carried == bs:
+            if self._carried == bs:
                 joined = Batch(tuple(self._carry), _after(
                     self.epoch, unit, pos, length,
                     0 if self.epoch_samples is None else taken + pos - offset))
-                self._carry, carried_before = [], 0
+                self._carry, self._carried, carried_before = [], 0, 0
         if self._carry:  # the unit did not complete the carried batch: all of it waits
             full = range(0)
         else:
@@ -239,6 +241,7 @@ class BatchPlanner:
             full = range(pos, stop, bs)
             if stop < read:
                 self._carry = [Segment(self.epoch, unit, stop, read, key)]
+                self._carried = read - stop
         leftover = tuple(self._carry[carried_before:])
         return UnitPlan(self.epoch, unit, length, bs, key, joined, full, leftover,
                         None if self.epoch_samples is None else taken, offset)
@@ -256,7 +259,7 @@ class BatchPlanner:
     def flush(self, unit: int) -> Batch | None:
         """Deliver the carried samples now, as a short batch, because unit ``unit`` failed
         (None with ``'discard'``, or when nothing is carried)."""
-        carry, self._carry = self._carry, []
+        carry, self._carry, self._carried = self._carry, [], 0
         if not carry or self.last_batch == "discard":
             return None
         return Batch(tuple(carry), Position(self.epoch, unit, 0, taken=self.taken))
@@ -265,7 +268,7 @@ class BatchPlanner:
         """End of the epoch: the short tail as a batch with ``'keep'`` (else None), and the end
         position, which holds the tail with ``'rollover'`` (it opens the next epoch's first
         batch; see :meth:`Position.next_epoch`)."""
-        carry, self._carry = tuple(self._carry), []
+        carry, self._carry, self._carried = tuple(self._carry), [], 0
         end = Position(self.epoch, *self._resume, carry if self.last_batch == "rollover" else (),
                        True, self.taken)
         if not carry or self.last_batch != "keep":

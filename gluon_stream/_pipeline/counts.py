@@ -15,18 +15,26 @@ from .sizes import ShardSizes
 __all__ = ["BatchCounts"]
 
 
+class Dealt(Protocol):
+    """What :class:`BatchCounts` reads of a stream's keys stage."""
+
+    remainder: Remainder | None
+
+    def epoch_keys(self, epoch: int, part_index: int | None = None
+                   ) -> tuple[Iterator[Any], bool, list | None]: ...
+
+
 class Counted(Protocol):
     """What :class:`BatchCounts` reads of a stream."""
 
-    remainder: Remainder | None
     sizes: ShardSizes
     num_parts: int
     deal: str
     source: Source
     transform: Any
 
-    def epoch_keys(self, epoch: int, part_index: int | None = None
-                   ) -> tuple[Iterator[Any], bool, list | None]: ...
+    @property
+    def dealer(self) -> Dealt: ...
 
 
 class BatchCounts:
@@ -92,7 +100,7 @@ class BatchCounts:
 
     def _resumed(self, epoch: int) -> bool:
         """Whether ``epoch`` reads an elastic resume's remainder in place of its keys."""
-        remainder = self.stream.remainder
+        remainder = self.stream.dealer.remainder
         return remainder is not None and remainder.epoch == epoch
 
     def _fresh(self) -> "BatchCounts":
@@ -104,14 +112,14 @@ class BatchCounts:
     def _fixed(self, epoch: int) -> bool:
         """Whether ``epoch`` reads ``samples_per_epoch`` samples: not the rest of an epoch an
         elastic resume reads (its pieces, counted as an epoch of keys is)."""
-        remainder = self.stream.remainder
+        remainder = self.stream.dealer.remainder
         return self.samples_per_epoch is not None and not (
             remainder is not None and remainder.fixed and remainder.epoch == epoch)
 
     def unknown_reason(self, epoch: int) -> str:
         """Why an epoch's samples cannot be counted without producing it, and the fix."""
         stream = self.stream
-        _, finite, keys = stream.epoch_keys(epoch)
+        _, finite, keys = stream.dealer.epoch_keys(epoch)
         if not finite or keys is None:
             return ("the keys are an endless iterator, so the epoch has no known end (iterate "
                     "with a fixed number of steps instead)")
@@ -137,6 +145,7 @@ class _FreshStream:
         self.num_parts, self.deal = stream.num_parts, stream.deal
         self.source, self.transform = stream.source, stream.transform
         self.sizes = stream.sizes.without_remainder(self.epoch_keys)
+        self.dealer: Dealt = self  # its own keys, without the remainder
 
     def epoch_keys(self, epoch: int, part_index: int | None = None
                    ) -> tuple[Iterator[Any], bool, list | None]:
@@ -145,5 +154,5 @@ class _FreshStream:
         if not finite:
             return iter(()), False, None
         part = stream.part_index if part_index is None else part_index
-        keys = stream.dealt_keys(epoch, stream.num_parts, part, stream.deal)
+        keys = stream.dealer.dealt_keys(epoch, stream.num_parts, part, stream.deal)
         return iter(keys), True, keys

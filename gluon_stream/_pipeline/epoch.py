@@ -145,7 +145,7 @@ class EpochPass:
     def __init__(self, stream: ShardStream, path: BatchPath, settings: PassSettings,
                  start: LoaderState, limit: int | None, expected: int | None = None,
                  carry: Carry | None = None, handover: EpochRun | None = None) -> None:
-        remainder = stream.remainder_of(start.position.epoch)
+        remainder = stream.dealer.remainder_of(start.position.epoch)
         #: samples_per_epoch after an elastic resume: the rest of the interrupted epoch is the
         #: remainder's pieces, read as one pass of the keys' kind (its end is the epoch's)
         self.closed_remainder = settings.epoch_samples is not None and remainder is not None \
@@ -265,7 +265,7 @@ class EpochPass:
             self.finished = True
             fresh = not start.delivered and position.unit == position.offset == 0
             if not record.samples and fresh and settings.epoch_samples is None \
-                    and stream.remainder_of(run.epoch) is None:  # a remainder may hold none
+                    and stream.dealer.remainder_of(run.epoch) is None:  # a remainder may hold none
                 logger.warning("epoch %d delivered no samples: %s", run.epoch,
                                _empty_reason(run, feed, settings.batch_size,
                                              "even_batches=True" if settings.even is True
@@ -298,7 +298,7 @@ class EpochPass:
                                  skipped=[j for e, j in start.skipped if e == position.epoch],
                                  reuse=handover, rows_before=self._recorded_rows(skip))
         if settings.epoch_samples is not None:
-            stream.forget_keys(position.epoch, skip)  # no later epoch starts before it
+            stream.dealer.forget_keys(position.epoch, skip)  # no later epoch starts before it
         planner = BatchPlanner(settings.batch_size, settings.last_batch, position,
                                settings.epoch_samples)
         closes = settings.epoch_samples is None
@@ -525,9 +525,9 @@ class EpochPass:
             if stream.sizes.full_size(key, run.epoch) == 0:
                 continue
             try:
-                shard = stream.produce_now(key, run.epoch, self.path.prepare, whole=True)
+                shard = stream.producer.produce_now(key, run.epoch, self.path.prepare, whole=True)
             except Exception as exc:  # a failing shard (on_error='skip'): the next one
-                if stream.on_error != "skip":
+                if stream.error_policy.verdict(exc, stream.error_policy.retries) != "skip":
                     raise
                 tried.append(f"{key!r}: {type(exc).__name__}")
                 continue
@@ -582,18 +582,18 @@ class EpochPass:
         """Unit ``seg.unit`` of epoch ``seg.epoch``, produced again (its samples' sources
         noted in ``sources``)."""
         stream, window = self.stream, self.settings.window
-        keys = stream.epoch_keys(seg.epoch)[2]
+        keys = stream.dealer.epoch_keys(seg.epoch)[2]
         prepare = self.path.prepare
         if window == 1:
             key = keys[seg.unit] if keys is not None and seg.unit < len(keys) else seg.key
-            shard = stream.produce_now(key, seg.epoch, prepare, seg.unit,
+            shard = stream.producer.produce_now(key, seg.epoch, prepare, seg.unit,
                                        before=self._recorded_rows(seg.unit))
             if sources is not None:
                 sources.shard(seg.epoch, seg.unit, shard)
             return shard
         first = WindowMixer.first_shard(seg.unit, window)
         if keys is None:  # an endless iterator: the unit's shards drawn again up to it
-            named = stream.keys_between(seg.epoch, first, seg.unit + 1)
+            named = stream.dealer.keys_between(seg.epoch, first, seg.unit + 1)
             check_segment_key(seg, named, first)
         else:
             named = keys[first:seg.unit + 1]
@@ -602,7 +602,7 @@ class EpochPass:
         for j, key in enumerate(named, first):
             if (seg.epoch, j) in skipped:  # failed before: an empty shard in the mix, as it was
                 continue
-            shards[j] = stream.produce_now(key, seg.epoch, prepare, j,
+            shards[j] = stream.producer.produce_now(key, seg.epoch, prepare, j,
                                            before=self._recorded_rows(j))
             units.extend(mixer.add(j, len(shards[j])))
         units.extend(mixer.finish())

@@ -2,20 +2,24 @@
 how many of them may work at once (``producers='auto'`` grows it)."""
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import heapq
 import itertools
 import logging
 import threading
 import weakref
-from typing import Iterator
+from typing import Any, Iterator
 
+from .._utils import validate as _validate
 from .._utils.closing import CLOSE_WAIT_S, WAIT_SLICE_S, end_thread_pool
+from .._utils.cores import usable_cores
 from .._utils.thread_pool import ThreadPool
 from ..errors import LoaderClosed
 from ..sources import Source
+from .tuning import DEFAULT_PREFETCH, start_knobs
 
-__all__ = ["LANE_PREFIX", "ProducerPool", "Throttle"]
+__all__ = ["LANE_PREFIX", "ProducerPool", "Throttle", "first_knobs"]
 
 logger = logging.getLogger(__name__)
 
@@ -150,3 +154,24 @@ class ProducerPool:
             logger.warning("producer thread %s is still running a transform or a "
                            "FunctionSource fn after close(); it ends when that call returns",
                            thread.name)
+
+
+def first_knobs(prefetch: int | str, producers: Any, budget: int | None,
+                apart: bool) -> tuple[int, Throttle]:
+    """A stream's first ``prefetch`` and its producers' :class:`Throttle`, from its arguments
+    (``'auto'``, an int, or for ``producers`` an executor that generates shards elsewhere);
+    with a ``memory_budget`` they start low and the tuner raises them. ``apart``: shards are
+    generated apart from loading (a program into a cache), so the tuner's start differs."""
+    start = None if budget is None else start_knobs(apart, usable_cores())
+    fixed = not (isinstance(prefetch, str) and prefetch == "auto")
+    prefetch = _validate.integer("prefetch", prefetch if fixed else (
+        DEFAULT_PREFETCH if start is None else start.prefetch), minimum=0)
+    if isinstance(producers, cf.Executor):  # local threads only wait for, load and transform
+        return prefetch, Throttle(prefetch + 1, prefetch + 1)
+    if producers == "auto" and start is not None:  # the tuner sets the count
+        return prefetch, Throttle(start.producers, usable_cores())
+    if producers == "auto":
+        return prefetch, Throttle(1, max(1, min(prefetch, usable_cores())))
+    producers = _validate.integer("producers", producers, minimum=1,
+                                  hint="'auto', or a concurrent.futures.Executor")
+    return prefetch, Throttle(producers, producers)

@@ -13,18 +13,19 @@ import concurrent.futures as cf
 import enum
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from .._utils.closing import WAIT_SLICE_S
-from .._utils.retry import ErrorPolicy, is_permanent
-from ..errors import InvalidState, LoaderClosed, MemoryBudgetTooSmall, add_note
+from .._utils.retry import ErrorPolicy
+from ..errors import LoaderClosed, add_note
 from ..records import ShardRecord
 from .offsets import Deferred, RowOffsets
 from .shard import Prepare, Shard
 
 if TYPE_CHECKING:
     from ..stats import Stats
-    from .remainder import Remainder
+    from .deal import KeyDealer
+    from .produce import Producer
     from .sizes import ShardSizes
     from .tuning import Tuner
 
@@ -51,6 +52,8 @@ class ShardMaker(Protocol):
         stats: Where ready and skipped shards are recorded.
         tuner: The ``memory_budget`` tuner, if any: told of every shard handed out.
         sizes: What is known of the shards' sizes: told of every shard's.
+        dealer: The keys stage: a pass's keys, and the epoch each shard was made for.
+        producer: The production stage: submits a shard, or its generation ahead.
     """
 
     prefetch: int
@@ -63,6 +66,8 @@ class ShardMaker(Protocol):
     stats: Stats
     tuner: Tuner | None
     sizes: ShardSizes
+    dealer: KeyDealer  # which keys this part reads, and in which epoch each was made
+    producer: Producer  # makes the shards a pass submits
 
     @property
     def closed(self) -> bool:
@@ -75,37 +80,11 @@ class ShardMaker(Protocol):
     def check_open(self) -> None:
         """Raise :class:`~gluon_stream.errors.LoaderClosed` if the stream is closed."""
 
-    def epoch_keys(self, epoch: int, part_index: int | None = None, seed: int | None = None,
-                   start: int = 0) -> tuple[Iterator[Any], bool, list | None]:
-        """(keys from position ``start``, finite, key list or None) of this part's epoch."""
-
-    def made_epoch(self, epoch: int, index: int) -> int:
-        """The epoch whose shard is at position ``index`` of ``epoch``."""
-
-    def forget_failure(self, key: Any, epoch: int) -> None:
-        """Forget a failure of shard ``key`` (made for ``epoch``) recorded in the cache, so
-        that a retry makes it again."""
-
-    def remainder_of(self, epoch: int) -> Remainder | None:
-        """The remainder read in place of ``epoch``'s keys, if any."""
-
     def idle_producers(self) -> int:
         """Producers free to start a shard now (below 0: more at work than may be)."""
 
-    def submit_shard(self, key: Any, epoch: int, index: int, run: EpochRun,
-                     prepare: Prepare | None) -> cf.Future:
-        """Produce shard ``key`` at position ``index`` of ``epoch`` in a producer thread."""
-
-    def submit_generation(self, key: Any, epoch: int, index: int, run: EpochRun) -> cf.Future:
-        """Generate shard ``key`` (at position ``index`` of ``run``'s pass) into the cache in
-        a producer thread: its seconds."""
-
     def waited(self, key: Any, queued: int = 0) -> None:
         """The consumer had to wait for shard ``key`` (``queued``: shards not started)."""
-
-    def check_schema(self, shard: Shard) -> None:
-        """Raise :class:`~gluon_stream.SchemaMismatch` if ``shard`` does not batch with the
-        others."""
 
     def run_ahead(self, epoch: int, prepare: Prepare | None) -> EpochRun:
         """The pass of the epoch after this one, begun early."""
@@ -145,7 +124,7 @@ class EpochRun:
         self.epoch = epoch
         self.prepare = prepare
         # from ``skip`` on: a resume does not produce the shards before it again
-        self.keys, self.finite, self.key_list = stream.epoch_keys(epoch, start=skip)
+        self.keys, self.finite, self.key_list = stream.dealer.epoch_keys(epoch, start=skip)
         self.pending: collections.deque = collections.deque()
         self.index = skip
         self.state = RunState.PRODUCING
@@ -271,8 +250,8 @@ class EpochRun:
             self._lookahead.append(nxt)
         for key, index in self._lookahead:
             if index not in self._ahead and index not in self._preskipped:
-                fut = stream.submit_generation(key, stream.made_epoch(self.epoch, index), index,
-                                               self)
+                made = stream.dealer.made_epoch(self.epoch, index)
+                fut = stream.producer.submit_generation(key, made, index, self)
                 self._ahead[index] = fut
                 fut.add_done_callback(self._generate_ahead)
                 return  # one at a time: the next call sees whether a producer is still idle
@@ -306,7 +285,7 @@ class EpochRun:
     def _submit(self, key: Any, index: int, watch: bool = True) -> cf.Future:
         """Submit shard ``index``; with ``watch``, its producer starts generations ahead once
         it is done (see :meth:`_watch`)."""
-        fut = self.stream.submit_shard(key, self.epoch, index, self, self.prepare)
+        fut = self.stream.producer.submit_shard(key, self.epoch, index, self, self.prepare)
         if watch:
             self._watch(fut)
         return fut
@@ -336,10 +315,7 @@ class EpochRun:
             if index in self._preskipped:  # failed before the resume: skipped again
                 logger.debug("shard %r (epoch %d) stays skipped, as before the resume", key,
                              self.epoch)
-                self.skipped += 1
-                self.skipped_at.append(index)
-                if self.offsets is not None:
-                    self.offsets.tell(index, 0)
+                self._skipped(index)
             else:
                 submitted.append(self._submit(key, index, watch=False))
                 self.pending.append((key, index, submitted[-1]))
@@ -427,68 +403,66 @@ class EpochRun:
                 return shard
 
     def _wait(self, key: Any, index: int, fut: cf.Future) -> Shard | None:
+        """Shard ``index`` once produced and checked, the stream's error policy applied to a
+        failure (:meth:`ErrorPolicy.verdict`): made again, or skipped (None), or raised."""
         stream = self.stream
-        policy = stream.error_policy
-        attempts = 0
+        retried = 0
         while True:
             try:
                 shard = self._result(fut, key)
-                stream.check_schema(shard)
-            except (LoaderClosed, KeyboardInterrupt, cf.CancelledError):
-                raise
-            except MemoryBudgetTooSmall:  # the settings' fault, not the shard's: never skipped
-                raise
-            except InvalidState:  # a resumed state does not fit the shard: never skipped
-                raise
+                stream.producer.check_schema(shard)
             except Deferred:  # it waited for a shard before it that failed, and is made again
                 fut = self._submit(key, index)
                 continue
-            except Exception as exc:
+            except BaseException as exc:
+                verdict = stream.error_policy.verdict(exc, retried)
+                if verdict == "raise":
+                    raise
                 summary = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                if policy.mode == "retry" and attempts < policy.retries and not is_permanent(exc):
-                    attempts += 1
-                    logger.warning("shard %r failed (%s); retry %d/%d", key, summary, attempts,
-                                   policy.retries)
-                    logger.debug("shard %r failure in full: %s", key, exc)
-                    stream.forget_failure(key, stream.made_epoch(self.epoch, index))
+                logger.debug("shard %r failure in full: %s", key, exc)
+                if verdict == "retry":
+                    retried += 1
+                    logger.warning("shard %r failed (%s); retry %d/%d", key, summary, retried,
+                                   stream.error_policy.retries)
+                    stream.producer.forget_failure(key, stream.dealer.made_epoch(self.epoch,
+                                                                                 index))
                     fut = self._submit(key, index)
                     continue
-                if policy.mode == "skip":
-                    logger.warning("skipping shard %r (epoch %d): %s", key, self.epoch, summary)
-                    logger.debug("shard %r failure in full: %s", key, exc)
-                    self.skipped += 1
-                    self.skipped_at.append(index)
-                    if self.offsets is not None:
-                        self.offsets.tell(index, 0)
-                    stream.stats.add_shard(ShardRecord(key, self.epoch,
-                                                       error=f"{type(exc).__name__}: {exc}"))
-                    return None
-                raise
-            record = shard.record
-            assert record is not None  # _make records every shard it makes
-            stream.stats.add_shard(record)
-            if shard.admission is not None:  # the loop has it: shards after it rank first
-                shard.admission.handed()
-            if stream.tuner is not None:  # may refuse the shard: before any batch of it
-                stream.tuner.shard_ready(key, record.nbytes, record.samples, self.last_wait_s,
-                                         record.generate_s + record.load_s + record.transform_s,
-                                         self.epoch, shard.source_nbytes)
-                self._fill(stream.prefetch)  # a prefetch just raised fills the window now
-            stream.sizes.remember(key, stream.made_epoch(self.epoch, index), shard.full_size)
-            expected = stream.sizes.shard_size(key, self.epoch, index=index,
-                                               before=self.rows_before(index)) \
-                if stream.sizes.declared(key) \
-                is not None and stream.remainder_of(self.epoch) is None else None
-            if expected is not None and expected != len(shard):
-                logger.warning(
-                    "shard %r (epoch %d) gives this part %d samples after transform, but "
-                    "shard_sizes declares %d: batch counts (len(), even_batches) follow the "
-                    "declared sizes on every rank, and a part left short repeats its last batch. "
-                    "Fix shard_sizes", key, self.epoch, len(shard), expected)
-            logger.info("shard %r ready: %d samples (generate %.2f s, load %.2f s, "
-                        "transform %.2f s%s)", key, len(shard), record.generate_s,
-                        record.load_s, record.transform_s, ", cached" if record.cache_hit else "")
+                logger.warning("skipping shard %r (epoch %d): %s", key, self.epoch, summary)
+                self._skipped(index)
+                stream.stats.add_shard(ShardRecord(key, self.epoch,
+                                                   error=f"{type(exc).__name__}: {exc}"))
+                return None
+            self._accept(shard, key, index)
             return shard
+
+    def _skipped(self, index: int) -> None:
+        self.skipped += 1
+        self.skipped_at.append(index)
+        if self.offsets is not None:
+            self.offsets.tell(index, 0)
+
+    def _accept(self, shard: Shard, key: Any, index: int) -> None:
+        """A good shard handed out: recorded, told to the tuner, its size remembered and
+        checked against a declared one."""
+        stream = self.stream
+        record = shard.record
+        assert record is not None  # _make records every shard it makes
+        stream.stats.add_shard(record)
+        if shard.admission is not None:  # the loop has it: shards after it rank first
+            shard.admission.handed()
+        if stream.tuner is not None:  # may refuse the shard: before any batch of it
+            stream.tuner.shard_ready(key, record.nbytes, record.samples, self.last_wait_s,
+                                     record.generate_s + record.load_s + record.transform_s,
+                                     self.epoch, shard.source_nbytes)
+            self._fill(stream.prefetch)  # a prefetch just raised fills the window now
+        stream.sizes.remember(key, stream.dealer.made_epoch(self.epoch, index), shard.full_size)
+        if stream.dealer.remainder_of(self.epoch) is None:
+            stream.sizes.check_declared(key, self.epoch, index, self.rows_before(index),
+                                        len(shard))
+        logger.info("shard %r ready: %d samples (generate %.2f s, load %.2f s, "
+                    "transform %.2f s%s)", key, len(shard), record.generate_s,
+                    record.load_s, record.transform_s, ", cached" if record.cache_hit else "")
 
     def _result(self, fut: cf.Future, key: Any = None) -> Shard:
         clock = self.stream.stats.clock

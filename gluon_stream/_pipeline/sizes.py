@@ -2,12 +2,15 @@
 progress bar and ``even_batches``' equal counts across ranks."""
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Iterator, Mapping, Union
 
 import numpy as np
 
 from .._utils import validate as _validate
 from ..sources import Source
+
+logger = logging.getLogger("gluon_stream.stream")
 
 __all__ = ["DeclaredSizes", "ShardSizes", "part_count", "part_rows", "stride_of", "stride_turn",
            "turn_of"]
@@ -107,6 +110,20 @@ class ShardSizes:
         elastic resume's remainder aside; sizes seen in a pass are shared."""
         return ShardSizes(self.source, self.transform, self._declared, self.deal,
                           self.num_parts, self.part_index, keys_of, seen=self._seen)
+
+    def check_declared(self, key: Any, epoch: int, index: int, before: int | None,
+                       samples: int) -> None:
+        """Warn when a shard gives this part other than the ``samples`` ``shard_sizes``
+        declares: batch counts follow the declared sizes on every rank."""
+        if self.declared(key) is None:
+            return
+        expected = self.shard_size(key, epoch, index=index, before=before)
+        if expected is not None and expected != samples:
+            logger.warning(
+                "shard %r (epoch %d) gives this part %d samples after transform, but "
+                "shard_sizes declares %d: batch counts (len(), even_batches) follow the "
+                "declared sizes on every rank, and a part left short repeats its last batch. "
+                "Fix shard_sizes", key, epoch, samples, expected)
 
     def remember(self, key: Any, epoch: int, full_size: int) -> None:
         """A shard turned out to hold ``full_size`` samples (for later passes' counts)."""

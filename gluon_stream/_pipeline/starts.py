@@ -58,7 +58,7 @@ class PassStarts:
         where the new one goes on from them."""
         start = self.next()
         self.loaded = None
-        remainder = self.stream.remainder
+        remainder = self.stream.dealer.remainder
         if remainder is not None and remainder.fixed and start.epoch != remainder.epoch:
             self.stream.set_remainder(None)  # its epoch is over: the next ones read the stream
         if start.position.end and self.samples_per_epoch is None:
@@ -108,7 +108,7 @@ class PassStarts:
         if before is not None and before.epoch == epoch and loaded is not None:
             return self.fresh_start(epoch) if loaded.fresh and not loaded.position.end \
                 else loaded
-        remainder = self.stream.remainder
+        remainder = self.stream.dealer.remainder
         if before is not None and before.epoch + 1 == epoch and (before.fresh or (
                 remainder is not None and remainder.fixed and before.epoch == remainder.epoch)):
             return self.fresh_start(epoch)  # after an elastic resume's remainder
@@ -136,9 +136,10 @@ class PassStarts:
         assert self.samples_per_epoch is not None
         stream = self.stream
         endless = not stream.source.keys_for_epoch(0)[1]
-        part = PartStream(stream.num_parts, stream.part_index, stream.deal, stream.dealt_keys,
-                          stream.counted_size,
-                          endless_drawn(stream.endless_keys) if endless else None, self.window)
+        dealer = stream.dealer
+        part = PartStream(stream.num_parts, stream.part_index, stream.deal, dealer.dealt_keys,
+                          stream.producer.counted_size,
+                          endless_drawn(dealer.endless_keys) if endless else None, self.window)
         stretches, at = part.walk(0, 0, 0, epoch * self.samples_per_epoch)
         carried = epoch * self.samples_per_epoch % self.batch_size \
             if self.last_batch == "rollover" else 0

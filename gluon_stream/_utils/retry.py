@@ -7,12 +7,26 @@ change the outcome (:func:`is_permanent`), and how long to wait before it
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 from dataclasses import dataclass
 from typing import Iterator, Literal, Tuple, Union
 
-from ..errors import CommandNotFound, CorruptShard, SchemaMismatch, UnsafeShard
+from ..errors import (
+    CommandNotFound,
+    CorruptShard,
+    InvalidState,
+    LoaderClosed,
+    MemoryBudgetTooSmall,
+    SchemaMismatch,
+    UnsafeShard,
+)
 
-__all__ = ["ON_ERROR_MODES", "ErrorPolicy", "OnError", "RetryPolicy", "is_permanent"]
+__all__ = ["NEVER_SKIPPED", "ON_ERROR_MODES", "ErrorPolicy", "OnError", "RetryPolicy",
+           "is_permanent"]
+
+#: failures no ``on_error`` skips or retries: the loader closed or a pass cancelled, a resumed
+#: state that does not fit the data, settings that cannot hold a shard (the settings' fault)
+NEVER_SKIPPED = (LoaderClosed, cf.CancelledError, InvalidState, MemoryBudgetTooSmall)
 
 ON_ERROR_MODES = ("raise", "skip")
 OnError = Union[Literal["raise", "skip"], Tuple[str, int]]  # ("retry", n) for the tuple
@@ -94,3 +108,13 @@ class ErrorPolicy:
     def retries(self) -> int:
         """Extra attempts per shard (0 unless ``('retry', n)``)."""
         return self.retry.retries if self.mode == "retry" else 0
+
+    def verdict(self, exc: BaseException, retried: int = 0) -> str:
+        """What a shard that failed with ``exc`` (after ``retried`` retries) gets: ``'retry'``,
+        ``'skip'`` or ``'raise'``. The one place the policy is applied: a pass waiting for its
+        shard, a size counted by producing one, a batch borrowed from one."""
+        if not isinstance(exc, Exception) or isinstance(exc, NEVER_SKIPPED):
+            return "raise"
+        if self.mode == "retry" and retried < self.retries and not is_permanent(exc):
+            return "retry"
+        return "skip" if self.mode == "skip" else "raise"

@@ -1,0 +1,325 @@
+"""The production stage: one shard made (generated, loaded, transformed, put in its rows'
+order and the consumer's form), in a producer thread or the caller's, its memory admitted
+against ``memory_budget`` part by part before it is allocated.
+
+A :class:`Producer` owns nothing of a pass: the :class:`~gluon_stream._pipeline.run.EpochRun`
+that submits a shard owns its future; the stream owns the producer pool and the gate.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import logging
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from .._utils.columns import names_of, normalize_arrays
+from .._utils.retry import ErrorPolicy
+from ..errors import LoaderClosed, SchemaMismatch, add_note
+from ..records import ShardRecord
+from .admission import Admission, MemoryGate
+from .offsets import Deferred
+from .producers import ProducerPool
+from .reservations import ShardReservations, copy_bytes
+from .shard import Owned, Prepare, Shard
+
+if TYPE_CHECKING:
+    from ..sources import RawShard, Source
+    from ..stats import Stats
+    from .deal import KeyDealer
+    from .run import EpochRun
+    from .sizes import ShardSizes
+
+__all__ = ["Producer", "schema_of"]
+
+# the stream's logger: its per-shard lines are filtered by this name (docs/memory-budget.md)
+logger = logging.getLogger("gluon_stream.stream")
+
+
+def schema_of(arrays: Sequence[Any]) -> list[tuple[str, tuple]]:
+    """(dtype, trailing shape) of each array: what must agree between shards to batch them."""
+    return [(np.dtype(a.dtype).str, tuple(a.shape[1:])) for a in arrays]
+
+
+class Producer:
+    """Makes a stream's shards: submitted to its producer pool for a pass, or in the caller's
+    thread (a resume, a size counted by producing the shard).
+
+    Args:
+        source: Where the raw shards come from.
+        transform: ``transform(raw) -> arrays`` per shard, or None.
+        pool: The stream's producer threads and their throttle.
+        gate: The ``memory_budget`` admission gate, or None.
+        dealer: The keys stage (each shard's rows, the epoch it was made for).
+        sizes: What is known of shard sizes (remembered when counted).
+        stats: Where spans and shard records go.
+        error_policy: What a failing shard does.
+        schema: The expected ``[(dtype, trailing shape)]`` (None: the first shard's).
+        remote: An executor that generates shards elsewhere, or None.
+        check_open: Raises unless the stream is open and used by its owner process.
+    """
+
+    def __init__(self, source: Source, transform: Callable[[Any], Any] | None,
+                 pool: ProducerPool, gate: MemoryGate | None, dealer: KeyDealer,
+                 sizes: ShardSizes, stats: Stats, error_policy: ErrorPolicy,
+                 schema: Sequence[tuple[Any, Sequence[int]]] | None, remote: cf.Executor | None,
+                 check_open: Callable[[], None]) -> None:
+        self.source, self.transform = source, transform
+        self._res, self.gate, self.dealer, self.sizes = pool, gate, dealer, sizes
+        self.stats, self.error_policy = stats, error_policy
+        self._schema = ([(np.dtype(d).str, tuple(s)) for d, s in schema]
+                        if schema is not None else None)
+        self._remote = remote
+        #: the stream's check (closed, or used from another process than its owner's)
+        self.check_open = check_open
+
+    @property
+    def closed(self) -> bool:
+        return self._res.closed.is_set()
+
+    def forget_failure(self, key: Any, epoch: int) -> None:
+        """Forget a failure of shard ``key`` recorded in the cache, so that a retry makes it
+        again (``on_error=('retry', n)``; see :meth:`CachingSource.retry_failures`)."""
+        self.source.retry_failures([key], epoch)
+
+    def counted_size(self, key: Any, epoch: int) -> int:
+        """A shard's samples after the transform: known ahead or seen (see
+        :meth:`ShardSizes.full_size`), else counted by producing it whole in the calling thread
+        (a cache hit with a ``cache_dir``), and remembered. An elastic resume of
+        ``samples_per_epoch`` walks the ranks' streams by them. A shard that fails with
+        ``on_error='skip'`` holds 0 (a pass reading it skips it)."""
+        n = self.sizes.full_size(key, epoch)
+        if n is not None:
+            return n
+        try:
+            n = self.produce_now(key, epoch, whole=True).full_size
+        except Exception as exc:  # as a pass would: skipped, or raised (no retry here)
+            if self.error_policy.verdict(exc, self.error_policy.retries) != "skip":
+                raise
+            logger.warning("shard %r of epoch %d failed while its samples were counted "
+                           "(%s: %s): it counts as 0 samples, as a pass skips it", key, epoch,
+                           type(exc).__name__, exc)
+            return 0
+        self.sizes.remember(key, epoch, n)
+        return n
+
+    def produce_now(self, key: Any, epoch: int, prepare: Prepare | None = None,
+                    index: int = -1, whole: bool = False, before: int | None = None) -> Shard:
+        """Produce one shard in the calling thread, exactly as the producers would (for resume;
+        ``index``: its position in the epoch, where a remainder's piece is read; ``whole``:
+        every row, in the file's order, not this part's rows in its order; ``before``:
+        ``deal='balanced'``, the rows of the epoch's shards before it)."""
+        self.check_open()
+        return self._make(key, epoch, index, None, prepare, whole, before)
+
+    def submit_shard(self, key: Any, epoch: int, index: int, run: EpochRun,
+                     prepare: Prepare | None) -> cf.Future:
+        """Produce shard ``key`` at position ``index`` of ``epoch`` for ``run`` in a producer
+        thread: a future of the :class:`Shard`. With a ``memory_budget`` its admission opens
+        here, in the order the loop needs the shards (a producer that starts a later shard
+        first leaves room for the earlier ones)."""
+        adm = self._open_admission(key, epoch, index)
+        fut = self._res.executor.submit(self._produce, key, epoch, index, run, prepare, adm)
+        if adm is not None:  # never run, or failed: nothing is held
+            fut.add_done_callback(lambda f: adm.release() if f.cancelled() or f.exception()
+                                  is not None else None)
+        return fut
+
+    def _open_admission(self, key: Any, epoch: int, index: int) -> Admission | None:
+        if self.gate is None:
+            return None
+        return self.gate.open((epoch, index), f"shard {key!r} (epoch {epoch})",
+                              self.transform is not None)
+
+    def submit_generation(self, key: Any, epoch: int, index: int, run: EpochRun) -> cf.Future:
+        """Generate shard ``key`` of ``epoch`` (at position ``index`` of ``run``'s pass) into
+        the cache for ``run`` in a producer thread (it waits there for its turn in the window):
+        a future of the seconds it took."""
+        return self._res.executor.submit(self._generate, key, epoch, index, run)
+
+    def _produce(self, key: Any, epoch: int, index: int, run: "EpochRun | None",
+                 prepare: Prepare | None, adm: Admission | None = None) -> Shard:
+        """Runs in a producer thread: generate/load, transform, shuffle, prepare. A failure
+        gives its admission back here: the submitter may never have had the future (a Ctrl-C
+        in ``submit``), so its done-callback may not be there to do it."""
+        try:
+            if run is not None and run.cancelled:
+                raise LoaderClosed("epoch pass cancelled")
+            if run is None:  # produce_now: in the caller's thread, outside the producers' count
+                return self._make(key, epoch, index, run, prepare, adm=adm)
+            try:  # made ahead into the cache: only loading is left once its generation is done
+                with self._placed(run, index) as generated_s:
+                    shard = self._make(key, epoch, index, run, prepare, adm=adm)
+            except BaseException:
+                if run.offsets is not None:  # the shards after it stop waiting for its size
+                    run.offsets.failed(index)
+                raise
+        except BaseException:
+            if adm is not None:
+                adm.release()  # idempotent
+            raise
+        if generated_s and shard.record is not None:
+            shard.record.generate_s += generated_s
+            shard.record.cache_hit = False
+        return shard
+
+    def _generate(self, key: Any, epoch: int, index: int, run: "EpochRun") -> float:
+        """Runs in a producer thread: make a shard in the cache without loading it (it waits
+        there, on disk, for its turn in the ``prefetch`` window); the seconds it took, or 0
+        when it was cached already."""
+        with self._placed(run, index, ahead=True):
+            if run.cancelled:
+                raise LoaderClosed("epoch pass cancelled")
+            lane = self._res.throttle.lane()
+            t0 = self.stats.clock()
+            _, hit, seconds = self.source.ensure_file(key, epoch)
+            if hit:
+                return 0.0
+            self.stats.add_span(lane, "generate", t0, t0 + seconds, key)
+            return seconds
+
+    @contextlib.contextmanager
+    def _placed(self, run: EpochRun, index: int, ahead: bool = False) -> Iterator[float]:
+        """A producer's place for ``run``'s work on shard ``index``, held for the block: a
+        generation ahead (``ahead``), or a shard of the window, which first waits for its
+        generation ahead if one runs (the block gets its seconds). Places go in the order the
+        loop needs the shards (the pass's epoch, then ``index``: see :class:`Throttle`), and
+        until the place is taken the run counts the work as queued (from the end of that
+        generation), so no new generation ahead starts while the window's shard waits."""
+        if ahead:
+            run.unplaced(1)
+        got = 0.0
+        try:
+            if not ahead:
+                got = run.generated(index)  # counts the work as queued once it returns
+            self._res.throttle.take((run.epoch, index))
+        finally:
+            run.unplaced(-1)
+        try:
+            yield got
+        finally:
+            self._res.throttle.give()
+
+    def _make(self, key: Any, epoch: int, index: int, run: "EpochRun | None",
+              prepare: Prepare | None, whole: bool = False, before: int | None = None,
+              adm: Admission | None = None) -> Shard:
+        """Make one shard, its memory admitted against ``memory_budget`` part by part before
+        it is allocated (:mod:`gluon_stream._pipeline.admission`; ``adm``: opened when the
+        shard was submitted): the admission is held until the shard is freed."""
+        if adm is None:
+            adm = self._open_admission(key, epoch, index)
+        try:
+            if run is not None and run.cancelled:
+                raise LoaderClosed("epoch pass cancelled")
+            # a producer's place is held only in a pass (produce_now runs in the caller's thread)
+            gate = ShardReservations(
+                adm, lambda: self.closed or (run is not None and run.cancelled),
+                self._res.throttle.released if run is not None else None)
+            shard = self._admitted(key, epoch, index, run, prepare, whole, before, gate)
+        except Deferred as exc:
+            if adm is not None:
+                adm.release()
+            # without the frames that made the shard (nor those of the exception it came from):
+            # the future keeps the exception until the loop reaches the shard, and they would
+            # keep its arrays alive
+            exc.__context__ = exc.__cause__ = None
+            raise exc.with_traceback(None) from None
+        except BaseException:
+            if adm is not None:
+                adm.release()
+            raise
+        if adm is not None:
+            shard.admission = adm
+            # given back when the memory is: the prepared arrays' owner (shared memory lives
+            # while workers hold it), else the shard
+            weakref.finalize(getattr(shard.arrays, "memory_owner", shard), adm.release)
+        return shard
+
+    def _admitted(self, key: Any, epoch: int, index: int, run: "EpochRun | None",
+                  prepare: Prepare | None, whole: bool, before: int | None,
+                  gate: ShardReservations) -> Shard:
+        lane = self._res.throttle.lane()
+        clock = self.stats.clock
+        t0 = clock()
+        made = self.dealer.made_epoch(epoch, index)
+        # exact from a file's headers where the source can tell (a program's shard, made
+        # first), else the largest raw shard seen
+        peek = self.source.raw_bytes(key, made) \
+            if gate.adm is not None and self._remote is None else None
+        gate.reserve("raw", None if peek is None else peek[0])
+        raw: RawShard = (self.source.produce(key, made) if self._remote is None
+                         else self.source.produce(key, made, executor=self._remote))
+        if peek is not None:  # it was made (or found) by the peek
+            raw.cache_hit, raw.generate_s = peek[1], raw.generate_s + peek[2]
+        gate.made("raw", raw.arrays)
+        t1 = clock()
+        arrays = raw.arrays
+        owned = raw.owned and self.transform is None  # a transform's output is user code's
+        if self.transform is not None:
+            gate.reserve("transformed")  # the largest seen (the raw shard's size at first)
+            arg = arrays[0] if len(arrays) == 1 else arrays
+            try:
+                value = self.transform(arg)
+            except Exception as exc:
+                add_note(exc, f"gluon_stream: raised by transform on shard {key!r} "
+                              f"(file {raw.path!r}, epoch {epoch})")
+                raise
+            arrays = normalize_arrays(value, what=f"transform output of shard {key!r}")
+            del arg, value  # the transform's output is held by ``arrays`` alone
+            gate.made("transformed", arrays)
+        full_size = len(arrays[0])
+        nbytes = sum(int(getattr(a, "nbytes", 0)) for a in arrays)
+        if run is not None and run.offsets is not None:  # deal='balanced'
+            before = self._rows_before(run, index, full_size)
+        order = None if whole else self.dealer.row_order(key, epoch, full_size, index, before)
+        if run is not None and run.cancelled:
+            raise LoaderClosed("epoch pass cancelled")
+        names = names_of(arrays)
+        source_nbytes = gate.source_bytes()
+        copies = prepare is not None or order is not None
+        if copies:  # its exact bytes, before the copy is made
+            gate.reserve("copy", copy_bytes(arrays, order))
+        if prepare is not None:  # it applies the order while copying (no extra copy)
+            what = f"shard {key!r} (file {raw.path!r}, epoch {epoch})"
+            # the raw shard's let go; arrays the loader owns are handed over as Owned: their
+            # copy may give their memory back (see gluon_stream._mx.consumed)
+            arrays, raw.arrays = (Owned if owned else tuple)(list(arrays)), ()
+            arrays = prepare(arrays, order, what)
+        elif order is not None:
+            arrays = tuple(a[order] for a in arrays)  # not np.take: it copies a strided input
+        # a form that keeps the source arrays (``raw``: a shuffle window's shards) copied none
+        gate.copied(copies and getattr(arrays, "raw", None) is None)
+        shard = Shard(key, epoch, index, arrays, names=names, full_size=full_size,
+                      rows=int(arrays[0].shape[0]), schema=schema_of(arrays),
+                      source_nbytes=source_nbytes)
+        t2 = clock()
+        gen_end = t0 + raw.generate_s
+        load_end = gen_end + raw.load_s
+        self.stats.add_span(lane, "generate", t0, gen_end, key)
+        self.stats.add_span(lane, "load", gen_end, load_end, key)
+        self.stats.add_span(lane, "transform", max(load_end, t1), t2, key)
+        shard.record = ShardRecord(key, epoch, len(shard), raw.cache_hit, raw.generate_s,
+                                   raw.load_s, t2 - t1, lane, source=raw.source, nbytes=nbytes)
+        return shard
+
+    def _rows_before(self, run: "EpochRun", index: int, full_size: int) -> int:
+        """``deal='balanced'``: tell the run this shard's size and wait for the rows before
+        it, letting another producer work meanwhile (the shard it waits for may need one)."""
+        assert run.offsets is not None
+        rows = self.sizes.rows_dealt(run.epoch, index, full_size)  # a remainder's: rows left
+        with self._res.throttle.released():
+            return run.offsets.before(index, rows, lambda: run.cancelled or self.closed)
+
+    def check_schema(self, shard: Shard) -> None:
+        """Raise :class:`~gluon_stream.SchemaMismatch` unless ``shard``'s arrays batch with the
+        first shard's (or ``schema=``)."""
+        found = shard.schema if shard.schema is not None else schema_of(shard.arrays)
+        if self._schema is None:
+            self._schema = found
+        elif found != self._schema:
+            raise SchemaMismatch(
+                f"shard {shard.key!r} (epoch {shard.epoch}) has arrays {found} as "
+                f"[(dtype, trailing shape)], but {self._schema} was expected (from the first "
+                "shard or schema=); every shard must batch together")
