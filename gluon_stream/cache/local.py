@@ -47,47 +47,50 @@ running is recreated (one WARNING) and the shard being made is made again.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
-import errno
-import fcntl
 import logging
 import os
-import stat
 import threading
-import time
-import uuid
 from typing import Any, Callable, Iterator, Mapping
 
 from .._utils.closing import WAIT_SLICE_S
-from .._utils.files import TEMP_MARKER, remove_if_exists
-from ..errors import CorruptShard, ShardError, StaleShard, UnsafeShard
-from ..shardfile import inspect_shard, open_regular
+from .._utils.files import remove_if_exists
+from ..errors import ShardError, StaleShard
+from ..shardfile import inspect_shard
 from .base import Create, Recipe
 from .evict import CacheLimit, evict_if_unread
-from .failures import drop_failures, read_failure, worth_recording, write_failure
+from .failure_gate import FailureGate
+from .layout import EVICT_LOCK, SUFFIXES, lock_path, shard_path, temp_path
 from .leftovers import remove_leftovers
-from .lock import LOCK_SUFFIX, exclusive
-from .recipe import describe_change, normalized, read_recipe, write_recipe
+from .lock import exclusive
+from .lookup import find_shard
+from .making import ensure
+from .notices import Notices
+from .pins import FilePins
+from .publishing import publish_file
+from .recency import FUTURE_SLACK_S, list_shards, touch
+from .recipe import read_recipe
 from .recorded import add_sizes, read_sizes
 from .room import RESERVATION, CacheRoom
+from .staleness import is_current, note_unrecorded, record_recipe
 
 __all__ = ["EVICT_LOCK", "FUTURE_SLACK_S", "LocalShardCache", "ON_CHANGE", "RESERVATION",
            "SUFFIXES", "WAIT_SLICE_S"]
 
 logger = logging.getLogger(__name__)
 
-SUFFIXES = (".npy", ".npz")
-EVICT_LOCK = "cache-evict"
-FUTURE_SLACK_S = 5.0  # a last-used time further ahead than this is a skewed clock or a backup
 ON_CHANGE = ("regenerate", "raise")
-_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 class LocalShardCache:
     """Finished shards in ``cache_dir``; one process generates a key at a time.
 
-    Implements :class:`~gluon_stream.cache.ShardCache`.
+    Implements :class:`~gluon_stream.cache.ShardCache`. The cache's parts live beside it, one
+    concept each: the directory's names (:mod:`.layout`), finding a shard (:mod:`.lookup`),
+    whether it is stale (:mod:`.staleness`), pins (:mod:`.pins`), last-used times
+    (:mod:`.recency`), making (:mod:`.making`) and publishing (:mod:`.publishing`) a shard,
+    failure records (:mod:`.failure_gate`), room (:mod:`.room`). The methods with a leading
+    underscore are the steps a :class:`~.remote.RemoteShardCache` does its own way.
 
     Args:
         cache_dir: The directory (created if missing).
@@ -121,10 +124,9 @@ class LocalShardCache:
         os.makedirs(self.root, exist_ok=True)
         self.lock_timeout = lock_timeout
         self.closed = closed if closed is not None else threading.Event()
-        self._told: set[str] = set()  # one-time log lines already written
-        self._told_lock = threading.Lock()
-        self._held: collections.Counter[tuple[int, int]] = collections.Counter()  # our pins
-        self._held_lock = threading.Lock()
+        self._notices = Notices(logger)  # one-time log lines already written
+        self._held = FilePins()  # the shards this process has pinned
+        self._failures = FailureGate(self.root, self.remembers_failures)
         self.read_only = not os.access(self.root, os.W_OK)
         if self.read_only:
             self.tell_once("read-only", logging.INFO, "cache_dir %s is read-only: serving the "
@@ -136,56 +138,42 @@ class LocalShardCache:
     def __getstate__(self) -> dict:
         """Picklable (for a remote executor): the closed flag stays with this process."""
         state = dict(self.__dict__)
-        del state["closed"], state["_told_lock"], state["_held"], state["_held_lock"]
+        del state["closed"]
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.closed = threading.Event()
-        self._told_lock = threading.Lock()
-        self._held = collections.Counter()
-        self._held_lock = threading.Lock()
 
     def tell_once(self, what: str, level: int, message: str, *args: Any) -> bool:
         """Log ``message`` the first time ``what`` happens in this cache; True if it was logged
         (once per cache: its :class:`~.room.CacheRoom` says it is full this way too)."""
-        with self._told_lock:
-            if what in self._told:
-                return False
-            self._told.add(what)
-        logger.log(level, message, *args)
-        return True
+        return self._notices.tell_once(what, level, message, *args)
 
-    # -- finding and reading shards ----------------------------------------------------------
+    # -- names in the directory (see .layout) -------------------------------------------------
     def path_for(self, name: str, suffix: str) -> str:
-        path = os.path.join(self.root, name + suffix)
-        if os.path.dirname(os.path.abspath(path)) != self.root:
-            raise ValueError(f"shard name {name!r} escapes the cache directory {self.root!r}")
-        return path
+        return shard_path(self.root, name, suffix)
 
     def _final(self, name: str, suffix: str) -> str:
         """Where the finished shard ``name`` with ``suffix`` is published."""
         return self.path_for(name, suffix)
 
+    def temp_path(self, name: str, suffix: str) -> str:
+        return temp_path(self.root, name, suffix)
+
+    def lock_path(self, name: str) -> str:
+        """The lock file of key ``name`` (or of ``EVICT_LOCK``)."""
+        return lock_path(self.root, name)
+
+    def where(self) -> str:
+        """The cache's location, for messages."""
+        return self.root
+
+    # -- finding and reading shards ----------------------------------------------------------
     def lookup(self, name: str) -> str | None:
         """Path of a finished shard for ``name``, or None. Symlinks are never followed, and
         anything but a regular file is refused (gluon_stream never deletes what it did not make)."""
-        for suffix in SUFFIXES:
-            path = self.path_for(name, suffix)
-            try:
-                mode = os.lstat(path).st_mode
-            except FileNotFoundError:
-                continue
-            if stat.S_ISLNK(mode):
-                raise UnsafeShard(f"cached shard {path!r} is a symlink; gluon_stream does not "
-                                  "follow links in its cache. Remove it", path=path)
-            if not stat.S_ISREG(mode):
-                reason = "not a regular file (a directory, FIFO or device)"
-                raise CorruptShard(f"cached shard {path!r} is {reason}; gluon_stream never "
-                                   "deletes what it did not make: remove it", path=path,
-                                   reason=reason)
-            return path
-        return None
+        return find_shard(self.path_for(name, suffix) for suffix in SUFFIXES)
 
     def fresh(self, name: str, recipe: Recipe) -> str | None:
         """Path of a finished shard for ``name`` made by ``recipe``, or None (missing, or stale
@@ -200,74 +188,28 @@ class LocalShardCache:
         if recorded is None:
             self._note_unrecorded(path)
             return path
-        current = normalized(recipe)
-        if recorded == current:
-            return path
-        change = describe_change(recorded, current)
-        if self.on_change == "raise":
-            raise StaleShard(f"cached shard {path!r} was made by a different recipe ({change}); "
-                             "delete it, restore what made it, or pass on_change='regenerate'",
-                             path=path, key=name, change=change)
-        if not self.tell_once(f"stale:{change}", logging.WARNING,
-                              "cached shard %s was made by a different recipe (%s): "
-                              "regenerating it (on_change='raise' refuses instead; further "
-                              "shards with this change are logged at INFO)", path, change):
-            logger.info("cached shard %s is stale (%s): regenerating it", path, change)
-        return None
+        return path if is_current(path, name, recorded, recipe, self.on_change,
+                                  self._notices) else None
 
     def recipe_of(self, path: str) -> dict | None:
         """The recipe recorded on a finished shard (None: none recorded, or no support)."""
         return read_recipe(path)
 
     def _note_unrecorded(self, path: str) -> None:
-        self.tell_once("unrecorded", logging.WARNING,
-                       "cached shard %s carries no record of what made it (an older "
-                       "gluon_stream, a copy without extended attributes, or a file system "
-                       "without them): serving it and others like it as they are; delete the "
-                       "cache if the generator changed since", path)
+        note_unrecorded(path, self._notices)
 
     def _pin(self, path: str) -> Any:
-        """Keep a finished shard from eviction (a shared lock on its file) until ``_unpin``;
-        None if it is gone (evicted, or replaced by a regeneration, since it was found)."""
-        try:
-            fp = open_regular(path)
-        except FileNotFoundError:
-            return None
-        try:
-            fcntl.flock(fp.fileno(), fcntl.LOCK_SH)  # waits only while an evictor deletes it
-            held = _identity(os.fstat(fp.fileno()))
-            if held != _identity(os.stat(path)):
-                raise FileNotFoundError(path)
-        except FileNotFoundError:
-            fp.close()
-            return None
-        except BaseException:
-            fp.close()
-            raise
-        with self._held_lock:
-            self._held[held] += 1
-        return fp
+        """Keep a finished shard from eviction until ``_unpin``; None if it is gone."""
+        return self._held.pin(path)
 
     def _unpin(self, pin: Any) -> None:
-        """Release a pin from :meth:`_pin` (closing the file drops its lock)."""
-        if pin is None:
-            return
-        held = _identity(os.fstat(pin.fileno()))
-        with self._held_lock:
-            self._held[held] -= 1
-            if self._held[held] <= 0:
-                del self._held[held]
-        pin.close()
+        """Release a pin from :meth:`_pin`."""
+        self._held.unpin(pin)
 
     def pinned_here(self, path: str) -> bool:
         """Whether this cache holds a pin on the finished shard ``path`` (a reader or producer
         of this process); a shard pinned only elsewhere counts against another limit."""
-        try:
-            held = _identity(os.stat(path, follow_symlinks=False))
-        except FileNotFoundError:
-            return False
-        with self._held_lock:
-            return held in self._held
+        return self._held.holds(path)
 
     @contextlib.contextmanager
     def reading(self, path: str) -> Iterator[str]:
@@ -279,23 +221,11 @@ class LocalShardCache:
         if pin is None:
             raise FileNotFoundError(path)
         try:
-            self._touch(path)
+            if not self.read_only:
+                touch(path, self.root, self._notices)
             yield path
         finally:
             self._unpin(pin)
-
-    def _touch(self, path: str) -> None:
-        """Mark a shard used now (least recently used goes first), where the cache allows it."""
-        if self.read_only:
-            return
-        try:
-            os.utime(path)
-        except OSError as exc:
-            if exc.errno not in _READ_ONLY:
-                raise
-            self.tell_once("no-utime", logging.INFO, "cannot update the last-used time of "
-                           "shards in %s (%s): they are served, but LRU eviction goes by when "
-                           "they were made", self.root, exc.strerror)
 
     def num_samples(self, name: str, recipe: Recipe = None) -> int | None:
         """Samples of a cached shard from its header, or None if it is not cached (or stale)."""
@@ -319,15 +249,7 @@ class LocalShardCache:
         and atomically: a reader sees the record before or after, never a part."""
         add_sizes(self.root, sizes, self.temp_path("sizes", ".json"))
 
-    # -- making shards ---------------------------------------------------------------------
-    def temp_path(self, name: str, suffix: str) -> str:
-        return os.path.join(self.root, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-                                        f"{TEMP_MARKER}{suffix}")
-
-    def lock_path(self, name: str) -> str:
-        """The lock file of key ``name`` (or of ``EVICT_LOCK``)."""
-        return os.path.join(self.root, f".{name}{LOCK_SUFFIX}")
-
+    # -- making shards (see .making and .publishing) -----------------------------------------
     @contextlib.contextmanager
     def pinned(self, name: str, create: Create,
                recipe: Recipe = None) -> Iterator[tuple[str, bool]]:
@@ -341,7 +263,7 @@ class LocalShardCache:
         meanwhile is recreated once and the shard made again. A new shard is pinned from
         before it is published, so no other producer's eviction takes it before it is read.
         """
-        path, hit, pin = self._ensure(name, create, recipe)
+        path, hit, pin = ensure(self, name, create, recipe)
         try:
             yield path, hit
         finally:
@@ -353,132 +275,12 @@ class LocalShardCache:
         with self.pinned(name, create, recipe) as found:
             return found
 
-    def _ensure(self, name: str, create: Create, recipe: Recipe) -> tuple[str, bool, Any]:
-        """(path, cache_hit, pin) of the shard ``name``, made if missing or stale."""
-        path = self.fresh(name, recipe)
-        if path is not None:
-            pin = self._pin(path)
-            if pin is not None:
-                return path, True, pin
-        if self.read_only:
-            raise self._cannot_generate(name)
-        attempt = -1
-        while True:  # a second deletion of cache_dir raises
-            attempt += 1
-            try:
-                return self._create_locked(name, create, recipe)
-            except (OSError, ShardError) as exc:
-                if isinstance(exc, OSError) and exc.errno == errno.EROFS:
-                    raise self._cannot_generate(name) from exc  # remounted read-only since
-                if os.path.isdir(self.root):
-                    raise
-                if attempt:
-                    raise ShardError(f"shard {name!r}: cache_dir {self.root!r} was deleted again "
-                                     "while the shard was made; is another program cleaning "
-                                     "it? Point cache_dir at a directory nothing else removes",
-                                     key=name) from exc
-                logger.warning("cache_dir %s was deleted while shard %r was being made; "
-                               "making the shard again", self.root, name)
-
-    def _cannot_generate(self, name: str) -> ShardError:
-        return ShardError(f"shard {name!r} is not in the read-only cache_dir {self.root!r} and "
-                          "cannot be generated there; generate it where the cache is writable, "
-                          "or point cache_dir at a writable directory", key=name)
-
-    def _create_locked(self, name: str, create: Create, recipe: Recipe) -> tuple[str, bool, Any]:
-        if not os.path.isdir(self.root):
-            logger.warning("cache_dir %s was deleted while running; recreating it", self.root)
-            os.makedirs(self.root, exist_ok=True)
-        with self._locked(name, lambda: self._lock_timeout_error(name)):
-            self._refresh(name)
-            path = self.fresh(name, recipe)
-            if path is not None:
-                pin = self._pin(path)
-                if pin is not None:
-                    return path, True, pin
-            self._refuse_failed(name, recipe)
-            reservation = self._reserve(name)
-            try:
-                return self._create_reserved(name, create, recipe)
-            finally:
-                self._release(name, reservation)
-
-    def _create_reserved(self, name: str, create: Create,
-                         recipe: Recipe) -> tuple[str, bool, Any]:
-        """Make, record and publish the shard ``name`` (under its key's lock, room reserved)."""
-        try:
-            tmp = create()
-        except BaseException as exc:
-            self._remember_failure(name, recipe, exc)
-            raise
-        try:
-            if os.path.islink(tmp):
-                raise UnsafeShard(f"shard {name!r}: the generator left a symlink at {tmp!r}; "
-                                  "gluon_stream does not follow links in its cache. Write the "
-                                  "shard itself to the '{path}' argument", path=tmp)
-            if recipe is not None:
-                self._record(tmp, recipe)
-            path, pin = self._publish(tmp, name)
-        except BaseException:
-            remove_if_exists(tmp)
-            raise
-        if self.remembers_failures:
-            drop_failures(self.root, [name])  # made at last: a failure recorded before is old
-        return path, False, pin
-
-    # -- failures remembered beside the shard (see .failures) -------------------------------
-    def _refuse_failed(self, name: str, recipe: Recipe) -> None:
-        """Raise the failure recorded for ``name`` if ``recipe`` made it (under the key's
-        lock); a record of another recipe is dropped, and the shard made again."""
-        if not self.remembers_failures:
-            return
-        failure = read_failure(self.root, name)
-        if failure is None:
-            return
-        current = None if recipe is None else normalized(recipe)
-        if failure.recipe == current:
-            raise failure.error_for()
-        logger.info("shard %r failed before with another recipe (%s): making it again", name,
-                    describe_change(failure.recipe or {}, current or {}))
-        drop_failures(self.root, [name])
-
-    def _remember_failure(self, name: str, recipe: Recipe, exc: BaseException) -> None:
-        """Record that making ``name`` failed with ``exc`` (a failure of the generation), so
-        that no process makes it again until it is retried."""
-        if not self.remembers_failures or not worth_recording(exc):
-            return
-        try:
-            path = write_failure(self.root, name, None if recipe is None else normalized(recipe),
-                                 exc, self.temp_path(name, ".failed"))
-        except OSError as err:  # the failure itself is what the caller must see
-            logger.warning("cannot record the failure of shard %r in %s (%s): other processes "
-                           "will make it again", name, self.root, err)
-            return
-        logger.info("recorded the failure of shard %r in %s: no process makes it again until "
-                    "it is retried", name, path)
-
     def retry_failures(self, names: list[str] | None = None) -> list[str]:
         """Forget the recorded failures of ``names`` (None: all), so the shards are made again
         when next asked for; the names whose record went."""
-        if self.read_only or not self.remembers_failures:
+        if self.read_only:
             return []
-        return drop_failures(self.root, names)
-
-    def _reserve(self, name: str) -> str | None:
-        """With ``cache_limit``, make room for the shard ``name`` before it is made and leave a
-        reservation that other generations count until it is published; its path, or None."""
-        if not self._room.bounded:
-            return None
-        deadline = time.monotonic() + self.lock_timeout
-        while True:  # waiting with the eviction lock released: shards being made publish
-            with self._locked(EVICT_LOCK, lambda: self._lock_timeout_error(EVICT_LOCK)):
-                if self._make_room(name, self._room.largest, replacing=False):
-                    return self._room.reserve(name, self.temp_path(name, RESERVATION))
-            self._room.pause(self, name, deadline)  # never waits holding the lock
-
-    def _release(self, name: str, reservation: str | None) -> None:
-        """Drop the reservation of ``name`` (published, or given up)."""
-        self._room.release(name, reservation)
+        return self._failures.retry(names)
 
     @contextlib.contextmanager
     def _locked(self, name: str, timed_out: Callable[[], BaseException]) -> Iterator[None]:
@@ -507,67 +309,11 @@ class LocalShardCache:
 
     def _record(self, tmp: str, recipe: Recipe) -> None:
         """Record the recipe on the temp file; where the file system cannot, say so once."""
-        assert recipe is not None
-        try:
-            write_recipe(tmp, recipe)
-        except (OSError, NotImplementedError) as exc:
-            if isinstance(exc, OSError) and exc.errno == errno.ENOENT:
-                raise
-            self.tell_once("no-xattr", logging.WARNING,
-                           "cannot record what made the shards in %s (%s): a changed command, "
-                           "env= or version= will not be detected there; delete the cache "
-                           "yourself when the generator changes", self.root, exc)
+        record_recipe(tmp, recipe, self.root, self._notices)
 
     def _publish(self, tmp: str, name: str) -> tuple[str, Any]:
-        """Move a finished, validated temp file into place, pinned, after making room for it
-        (``cache_limit``); readers see all of it or nothing: ``(path, pin)``.
-
-        A shard of the other suffix for the same key (made before the format changed) goes, so
-        lookups cannot find it first.
-        """
-        pin = self._pin(tmp)  # before it is published: no eviction can take it unread
-        if pin is None:
-            raise FileNotFoundError(tmp)
-        try:
-            with self._room_for(name, os.path.getsize(tmp)):
-                return self._place(tmp, name, os.path.splitext(tmp)[1]), pin
-        except BaseException:
-            self._unpin(pin)
-            raise
-
-    @contextlib.contextmanager
-    def _room_for(self, name: str, size: int, replacing: bool = True) -> Iterator[None]:
-        """With ``cache_limit``, hold the eviction lock with room made for one more shard of
-        ``size`` bytes (``replacing``: the shard then replaces a cached shard of the same key),
-        for the with-block to publish it.
-
-        Never waits: the shard is on disk already, as a temp file its reservation made room
-        for, so publishing it adds nothing to the directory; room is made again with its real
-        size, evicting what can go. A shard larger than the reservation's estimate (the largest
-        seen) may leave a byte limit exceeded until the next reservation makes room: waiting here
-        instead would hang producers that each wait for the other's shard, estimated at the new
-        size, to be published (two growing shards under a limit that holds one of them)."""
-        if not self._room.bounded:
-            yield
-            return
-        with self._locked(EVICT_LOCK, lambda: self._lock_timeout_error(EVICT_LOCK)):
-            if not self._make_room(name, size, replacing):
-                self.tell_once("over", logging.INFO,
-                               "cache_limit (%s): shard %r (%d bytes) is larger than the room "
-                               "made for it, and the shards that could make up for it are in "
-                               "use: publishing it (it is on disk already); the next shards "
-                               "wait until %s is back within the limit", self._room.limit, name,
-                               size, self.root)
-            yield
-
-    def _place(self, tmp: str, name: str, suffix: str) -> str:
-        """Move the temp file to its final name; remove the key's shard of the other suffix."""
-        final = self._final(name, suffix)
-        os.replace(tmp, final)
-        for other in SUFFIXES:
-            if other != suffix:
-                remove_if_exists(self._final(name, other))
-        return final
+        """Move a finished, validated temp file into place, pinned: ``(path, pin)``."""
+        return publish_file(self, tmp, name)
 
     # -- bounding the cache: what its CacheRoom asks of it (room.Shelf) ----------------------
     def _make_room(self, name: str, size: int, replacing: bool = True) -> bool:
@@ -577,47 +323,11 @@ class LocalShardCache:
         replaced = {self._final(name, suffix) for suffix in SUFFIXES} if replacing else set()
         return self._room.make(self, name, size, replaced)
 
-    def where(self) -> str:
-        """The cache's location, for messages."""
-        return self.root
-
     def listing(self) -> list[tuple[float, str, int]]:
         """(last used, path, bytes) of every finished shard. A last-used time in the future
         (a skewed clock, a restored backup) is reset to now, once, so that the shard ages."""
-        shards = []
-        now = time.time()
-        with os.scandir(self.root) as entries:
-            for entry in entries:
-                if entry.name.startswith(".") or not entry.name.endswith(SUFFIXES):
-                    continue
-                with contextlib.suppress(FileNotFoundError):
-                    info = entry.stat(follow_symlinks=False)
-                    used = info.st_mtime
-                    if used > now + FUTURE_SLACK_S:
-                        self._reset_future(entry.path, used, now)
-                        used = now
-                    shards.append((used, entry.path, info.st_size))
-        return shards
-
-    def _reset_future(self, path: str, used: float, now: float) -> None:
-        """Set a last-used time that lies in the future to ``now`` (said once per cache)."""
-        self.tell_once("future-mtime", logging.WARNING,
-                       "cached shard %s was last modified in the future (%s s ahead: a skewed "
-                       "clock or a restored backup); counting it as used now, so it ages like "
-                       "the others", path, f"{used - now:.0f}")
-        try:
-            os.utime(path, (now, now))
-        except OSError as exc:
-            if exc.errno not in _READ_ONLY:
-                raise
-            logger.info("cannot reset the future last-used time of %s (%s): it counts as used "
-                        "now in this pass only", path, exc.strerror)
+        return list_shards(self.root, self._notices)
 
     def try_evict(self, path: str) -> bool:
         """Delete a finished shard unless someone has it pinned; True if it went."""
         return evict_if_unread(path)
-
-
-def _identity(info: os.stat_result) -> tuple[int, int]:
-    """A file's identity, kept through a rename (a temp file pinned, then published)."""
-    return info.st_dev, info.st_ino
