@@ -225,35 +225,84 @@ def _diagnose(epochs: Sequence["EpochRecord"], shards: Iterable["ShardRecord"],
               settings: LoaderSettings, now: float | None, cores: int | None) -> Diagnosis:
     """:func:`diagnose` without the tuning."""
     cores = cores if cores is not None else available_cores()
-    wall = stall = shard_w = mix_w = worker_w = place = samples = 0.0
-    batches, producers, startup = 0, 0, None
+    t = _without_startup(_summed(epochs, now))
+    made = _production(shards)
+    loop_per_shard = ((t.wall - t.shard) / t.samples * made.samples_per_shard
+                      if t.samples else 0.0)
+    producers = t.producers or settings.producers or 0
+    ev = _evidence(t, made, loop_per_shard, producers, settings, cores)
+    if not t.batches or t.wall <= 0:
+        return Diagnosis("none", "nothing yet: no batch delivered after the first", ev)
+    return _verdict(t, made, loop_per_shard, producers, settings, cores, ev)
+
+
+@dataclass
+class _Totals:
+    """The passes' figures summed: wall time, the loop's wait and its causes (seconds)."""
+
+    wall: float = 0.0
+    stall: float = 0.0
+    shard: float = 0.0
+    mix: float = 0.0
+    worker: float = 0.0
+    place: float = 0.0
+    samples: float = 0.0
+    batches: int = 0
+    producers: int = 0  # of the last pass that recorded them
+    startup: float = 0.0  # the very first pass's wait for its first batch
+
+
+def _summed(epochs: Sequence["EpochRecord"], now: float | None) -> _Totals:
+    """The epoch records summed; a pass in progress without a bar counts until ``now``."""
+    t = _Totals()
+    startup = None
     for e in epochs:
         w = e.wall_s
         if w <= 0 and e.batches and now is not None and e.start_s is not None:
             w = now - e.start_s  # in progress, no bar: its wall time runs until now
-        wall += w
-        stall += e.stall_s
-        shard_w += e.shard_wait_s
-        mix_w += e.mix_wait_s
-        worker_w += e.worker_wait_s
-        place += e.place_s
-        samples += e.samples
-        batches += e.batches
-        producers = e.producers or producers
+        t.wall += w
+        t.stall += e.stall_s
+        t.shard += e.shard_wait_s
+        t.mix += e.mix_wait_s
+        t.worker += e.worker_wait_s
+        t.place += e.place_s
+        t.samples += e.samples
+        t.batches += e.batches
+        t.producers = e.producers or t.producers
         if startup is None and e.first_batch_s is not None:
             startup = e.first_batch_s
-    startup = startup or 0.0
-    wall, stall = max(0.0, wall - startup), max(0.0, stall - startup)
-    left = startup  # the start-up wait came first for a shard, then for the rest
-    shard_w, left = _less(shard_w, left)
-    mix_w, left = _less(mix_w, left)
-    worker_w, left = _less(worker_w, left)
-    place, left = _less(place, left)
-    parts = shard_w + mix_w + worker_w + place
+    t.startup = startup or 0.0
+    return t
+
+
+def _without_startup(t: _Totals) -> _Totals:
+    """``t`` with the start-up wait left out of the wall time, the wait and its causes (first
+    a shard's, then the rest), the causes scaled down to the wait should they exceed it."""
+    left = t.startup  # the start-up wait came first for a shard, then for the rest
+    wall, stall = max(0.0, t.wall - left), max(0.0, t.stall - left)
+    shard, left = _less(t.shard, left)
+    mix, left = _less(t.mix, left)
+    worker, left = _less(t.worker, left)
+    place, left = _less(t.place, left)
+    parts = shard + mix + worker + place
     if parts > stall > 0:  # parts of the wait, timed apart: never more than all of it
         scale = stall / parts
-        shard_w, mix_w, worker_w, place = (x * scale for x in (shard_w, mix_w, worker_w, place))
+        shard, mix, worker, place = (x * scale for x in (shard, mix, worker, place))
+    return replace(t, wall=wall, stall=stall, shard=shard, mix=mix, worker=worker, place=place)
 
+
+@dataclass(frozen=True)
+class _Production:
+    """What the shards made (skipped ones left out) took, per shard."""
+
+    shards: int
+    per: dict[str, float]  # mean generate_s, load_s, transform_s
+    samples_per_shard: float
+    cached: bool  # some shard came from the cache
+
+
+def _production(shards: Iterable["ShardRecord"]) -> _Production:
+    """The shard records' production phases, averaged over the shards made."""
     n = made_samples = 0
     generate = load = transform = 0.0
     cached = False
@@ -266,42 +315,51 @@ def _diagnose(epochs: Sequence["EpochRecord"], shards: Iterable["ShardRecord"],
             cached = cached or s.cache_hit
     per = {"generate_s": generate / n, "load_s": load / n, "transform_s": transform / n} \
         if n else dict.fromkeys(("generate_s", "load_s", "transform_s"), 0.0)
-    samples_per_shard = made_samples / n if n else 0.0
-    loop_per_shard = ((wall - shard_w) / samples * samples_per_shard if samples else 0.0)
-    producers = producers or settings.producers or 0
-    ev: dict[str, float] = {"wall_s": wall, "startup_s": startup, "batches": float(batches),
-                            "cores": float(cores)}
+    return _Production(n, per, made_samples / n if n else 0.0, cached)
+
+
+def _evidence(t: _Totals, made: _Production, loop_per_shard: float, producers: int,
+              settings: LoaderSettings, cores: int) -> dict[str, float]:
+    """The figures every verdict shows, whatever the bottleneck."""
+    ev: dict[str, float] = {"wall_s": t.wall, "startup_s": t.startup,
+                            "batches": float(t.batches), "cores": float(cores)}
     if producers:
         ev["producers"] = float(producers)
     if settings.per_sample:
         ev["num_workers"] = float(settings.num_workers)
-    if n:
-        ev.update(shards=float(n), samples_per_shard=samples_per_shard,
-                  loop_s_per_shard=loop_per_shard, **per)
-    if not batches or wall <= 0:
-        return Diagnosis("none", "nothing yet: no batch delivered after the first", ev)
-    other = max(0.0, stall - shard_w - mix_w - worker_w - place)
-    ev.update(wait_share=stall / wall, shard_wait_share=shard_w / wall,
-              mix_wait_share=mix_w / wall, worker_wait_share=worker_w / wall,
-              place_share=place / wall, other_wait_share=other / wall)
-    if stall / wall < WAIT_THRESHOLD:
+    if made.shards:
+        ev.update(shards=float(made.shards), samples_per_shard=made.samples_per_shard,
+                  loop_s_per_shard=loop_per_shard, **made.per)
+    return ev
+
+
+def _verdict(t: _Totals, made: _Production, loop_per_shard: float, producers: int,
+             settings: LoaderSettings, cores: int, ev: dict[str, float]) -> Diagnosis:
+    """The bottleneck and advice of passes that delivered batches (step 1 to 3 of the
+    module doc); the wait's shares are added to ``ev``."""
+    other = max(0.0, t.stall - t.shard - t.mix - t.worker - t.place)
+    ev.update(wait_share=t.stall / t.wall, shard_wait_share=t.shard / t.wall,
+              mix_wait_share=t.mix / t.wall, worker_wait_share=t.worker / t.wall,
+              place_share=t.place / t.wall, other_wait_share=other / t.wall)
+    if t.stall / t.wall < WAIT_THRESHOLD:
         return Diagnosis("none", TRAINING, ev)
-    causes = {"shards": shard_w, "mix": mix_w, "workers": worker_w, "placement": place}
+    causes = {"shards": t.shard, "mix": t.mix, "workers": t.worker, "placement": t.place}
     cause = max(causes, key=causes.__getitem__)
     if causes[cause] < other:
-        return Diagnosis("none", _overhead_advice(other, batches, settings), ev)
+        return Diagnosis("none", _overhead_advice(other, t.batches, settings), ev)
     if cause == "shards":
-        phase = max(_PHASES, key=lambda p: per[_PHASES[p]]) if n else "generation"
-        return Diagnosis(phase, _producers_advice(phase, per, loop_per_shard, producers, cached,
-                                                  settings, cores, ev), ev)
+        per = made.per
+        phase = max(_PHASES, key=lambda p: per[_PHASES[p]]) if made.shards else "generation"
+        return Diagnosis(phase, _producers_advice(phase, per, loop_per_shard, producers,
+                                                  made.cached, settings, cores, ev), ev)
     if cause == "mix":
         ahead = max(settings.prefetch, settings.shuffle_window) + 1
         return Diagnosis("transform", f"prefetch={ahead} (the loop waits for a shuffle window's "
                                       "unit to be gathered: with its shard ready ahead, it is "
                                       "gathered while the loop trains)", ev)
     if cause == "workers":
-        return Diagnosis("workers", _workers_advice(wall, worker_w, settings, cores, ev), ev)
-    return Diagnosis("placement", _placement_advice(place, batches, settings), ev)
+        return Diagnosis("workers", _workers_advice(t.wall, t.worker, settings, cores, ev), ev)
+    return Diagnosis("placement", _placement_advice(t.place, t.batches, settings), ev)
 
 
 def _less(value: float, left: float) -> tuple[float, float]:

@@ -59,6 +59,27 @@ def merge_states(states: Sequence[Mapping[str, Any]], *,
         >>> merged = merge_states([state_0, state_1])  # doctest: +SKIP
         >>> loader.load_state_dict(merged)              # on each of the new ranks # doctest: +SKIP
     """
+    by_rank = _checked_states(states)
+    first = by_rank[0]["settings"]
+    epoch = max(_epoch_of(s) for s in by_rank)
+    prior = _prior(by_rank)
+    ranks = [_rank_spec(state, rank, epoch, first) for rank, state in enumerate(by_rank)]
+    _check_steps(by_rank, first, synchronous)  # here: its warning names merge_states' caller
+    left = any(not r["end"] or r["carry"] for r in ranks)
+    spec = _remainder_spec(by_rank, first, epoch, prior, ranks) if left else None
+    # every rank stood at the next epoch's start (its pass ended: do_checkpoint, the docs' loop
+    # over range(state["epoch"], ...)): so does the merge, or a resumed pass would be empty
+    started = not left and all(_epoch_of(s) != s["epoch"] for s in by_rank)
+    out: dict = {"version": STATE_VERSION, "elastic": spec, "epoch": epoch + started,
+                 "end": not left and not started,
+                 "settings": {name: first.get(name) for name in FIXED_SETTINGS}}
+    out["digest"] = checksum(out)
+    return out
+
+
+def _checked_states(states: Any) -> list:
+    """The ranks' states in rank order: a list of plain rank states (not merged ones), each
+    verified, every rank of one job once, all saved with the same :data:`FIXED_SETTINGS`."""
     if isinstance(states, (Mapping, str, bytes)) or not isinstance(states, Sequence) \
             or not states:
         got = "an empty list" if isinstance(states, Sequence) and not states \
@@ -78,31 +99,26 @@ def merge_states(states: Sequence[Mapping[str, Any]], *,
                     f"field {name!r}: rank {rank}'s state was saved with {name}="
                     f"{state['settings'].get(name)!r}, rank 0's with {first.get(name)!r}: not "
                     "states of one job")
-    epoch = max(_epoch_of(s) for s in by_rank)
-    prior = _prior(by_rank)
-    ranks = [_rank_spec(state, rank, epoch, first) for rank, state in enumerate(by_rank)]
-    _check_steps(by_rank, first, synchronous)
-    left = any(not r["end"] or r["carry"] for r in ranks)
+    return by_rank
+
+
+def _remainder_spec(by_rank: list, first: Mapping[str, Any], epoch: int, prior: Any,
+                    ranks: list) -> dict:
+    """The merged state's ``elastic`` field: what no old rank trained yet in ``epoch`` (each
+    rank's position in ``ranks``), as :mod:`gluon_stream._pipeline.remainder` reads it."""
     spec = {"epoch": epoch, "parts": len(by_rank), "deal": first.get("deal", "shards"),
-            "prior": prior, "ranks": ranks} if left else None
-    if spec is not None:  # deal='balanced': the pieces' strides turn by the rows left before
-        spec["learned"] = True  # them, learned as they are made where no rank counts them ahead
-    if spec is not None and first.get("samples_per_epoch") is not None:  # each rank's quota
+            "prior": prior, "ranks": ranks}
+    # deal='balanced': the pieces' strides turn by the rows left before them, learned as they
+    # are made where no rank counts them ahead
+    spec["learned"] = True
+    if first.get("samples_per_epoch") is not None:  # each rank's quota
         spec["samples_per_epoch"] = first["samples_per_epoch"]
-    if spec is not None and first.get("shuffle_window", 1) != 1:  # the mixed units to cut
+    if first.get("shuffle_window", 1) != 1:  # the mixed units to cut
         spec.update(window=first["shuffle_window"], seed=first.get("seed"))
     fixed = first.get("samples_per_epoch") is not None  # a remainder's pieces: a key list
-    if spec is not None and any("keys" not in s for s in by_rank
-                                if not (fixed and _reading(s))):  # an endless iterator
-        spec["endless"] = True
-    # every rank stood at the next epoch's start (its pass ended: do_checkpoint, the docs' loop
-    # over range(state["epoch"], ...)): so does the merge, or a resumed pass would be empty
-    started = not left and all(_epoch_of(s) != s["epoch"] for s in by_rank)
-    out: dict = {"version": STATE_VERSION, "elastic": spec, "epoch": epoch + started,
-                 "end": not left and not started,
-                 "settings": {name: first.get(name) for name in FIXED_SETTINGS}}
-    out["digest"] = checksum(out)
-    return out
+    if any("keys" not in s for s in by_rank if not (fixed and _reading(s))):  # an endless
+        spec["endless"] = True  # iterator
+    return spec
 
 
 def load_merged(state: Mapping[str, Any], settings: Mapping[str, Any],

@@ -130,6 +130,23 @@ def _not_regular(path: Any, mode: int) -> CorruptShard:
 
 def _read_npy_header(fp: Any, path: Any, available: int) -> _NpyLayout:
     """Parse and check one ``.npy`` header from ``fp``; ``available``: the bytes from here on."""
+    _check_magic(fp, path)
+    major, prefix, header_len = _header_length(fp, path, available)
+    if major == 3:  # numpy decodes 3.0 headers as UTF-8; our reader below would use latin-1
+        text = fp.read(header_len)
+        if not text.isascii():
+            raise _corrupt(path, "a version 3.0 header with non-ASCII text (unicode field names)",
+                           "store plain numeric arrays with np.save")
+        fp.seek(-header_len, os.SEEK_CUR)
+    fp.seek(-(prefix - 8), os.SEEK_CUR)  # back to the length field, as numpy's reader expects
+    shape, fortran, dtype = _array_header(fp, path, major)
+    nbytes = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
+    _check_size(path, shape, dtype, prefix + header_len + nbytes, available)
+    return _NpyLayout(ArrayInfo("", shape, dtype, nbytes), prefix + header_len, bool(fortran))
+
+
+def _check_magic(fp: Any, path: Any) -> None:
+    """Refuse an empty file, a pickle, or anything else that is not a ``.npy`` array."""
     magic = fp.read(6)
     if not magic:
         raise _corrupt(path, "empty file (0 bytes)")
@@ -141,6 +158,11 @@ def _read_npy_header(fp: Any, path: Any, available: int) -> _NpyLayout:
                 path=path,
             )
         raise _corrupt(path, f"bad magic {magic[:6]!r} (not a .npy file)")
+
+
+def _header_length(fp: Any, path: Any, available: int) -> tuple[int, int, int]:
+    """``(major version, bytes before the header text, the header text's length)``, read
+    after the magic and checked against the format versions and ``available``."""
     version = fp.read(2)
     if len(version) < 2:
         raise _corrupt(path, "truncated header")
@@ -162,13 +184,12 @@ def _read_npy_header(fp: Any, path: Any, available: int) -> _NpyLayout:
         raise _corrupt(path, f"header claims {header_len} bytes (forged or damaged header)")
     if prefix + header_len > available:
         raise _corrupt(path, "truncated header")
-    if major == 3:  # numpy decodes 3.0 headers as UTF-8; our reader below would use latin-1
-        text = fp.read(header_len)
-        if not text.isascii():
-            raise _corrupt(path, "a version 3.0 header with non-ASCII text (unicode field names)",
-                           "store plain numeric arrays with np.save")
-        fp.seek(-header_len, os.SEEK_CUR)
-    fp.seek(-(prefix - 8), os.SEEK_CUR)  # back to the length field, as numpy's reader expects
+    return major, prefix, header_len
+
+
+def _array_header(fp: Any, path: Any, major: int) -> tuple[tuple, bool, np.dtype]:
+    """``(shape, fortran order, dtype)`` read by numpy's own header reader (``fp`` at the
+    length field), refused if the dtype needs pickle or the shape is not plain integers."""
     try:
         if major == 1:
             shape, fortran, dtype = np.lib.format.read_array_header_1_0(fp)
@@ -186,8 +207,12 @@ def _read_npy_header(fp: Any, path: Any, available: int) -> _NpyLayout:
         raise _corrupt(path, f"shape {shape} holds a bool, not an integer")
     shape = tuple(int(d) for d in shape)
     _check_dtype(path, shape, dtype)
-    nbytes = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
-    expected = prefix + header_len + nbytes
+    return shape, fortran, dtype
+
+
+def _check_size(path: Any, shape: tuple, dtype: np.dtype, expected: int, available: int) -> None:
+    """Refuse a file whose size is not the ``expected`` bytes its header says, or an array
+    numpy could not address."""
     if available < expected:
         raise _corrupt(path, f"truncated: header says {shape} {dtype} = {expected} bytes, "
                              f"file has {available}")
@@ -196,7 +221,6 @@ def _read_npy_header(fp: Any, path: Any, available: int) -> _NpyLayout:
                              "(junk appended)")
     if math.prod(d for d in shape if d) * dtype.itemsize > MAX_INTP:  # an empty array's other axes
         raise _corrupt(path, f"shape {shape} of {dtype} is larger than numpy can address")
-    return _NpyLayout(ArrayInfo("", shape, dtype, nbytes), prefix + header_len, bool(fortran))
 
 
 def _check_dtype(path: Any, shape: tuple, dtype: np.dtype) -> None:

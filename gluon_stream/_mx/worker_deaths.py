@@ -2,7 +2,8 @@
 
 :class:`DeathBudget` counts the worker deaths each shard cost this epoch against
 ``on_error=('retry', n)``, and builds the :class:`~gluon_stream.WorkerDied` of a death past it;
-:func:`death` says in words who died, how, and making what. The messages of a batch that took
+:func:`death` says in words who died, how, and making what, and :func:`death_of` gathers
+that with the shards a death costs (a :class:`Death`). The messages of a batch that took
 too long (:func:`too_slow`) and of a loader closed while a batch was awaited
 (:func:`closed_while`) are the same for worker threads and processes.
 """
@@ -10,11 +11,13 @@ from __future__ import annotations
 
 import collections
 import signal
+from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 from ..errors import BatchTimeout, LoaderClosed, WorkerDied
 
-__all__ = ["DeathBudget", "Held", "closed_while", "death", "too_slow", "what_of"]
+__all__ = ["Death", "DeathBudget", "Held", "closed_while", "death", "death_of", "too_slow",
+           "what_of"]
 
 
 class Held(Protocol):
@@ -61,6 +64,24 @@ def death(pid: int, code: int | None, task: Held | None, last: Held | None) -> s
     return f"worker process {pid} {how} {doing}"
 
 
+@dataclass(frozen=True)
+class Death:
+    """A worker's death: its pid and exit code, what happened in words, the shards it cost."""
+
+    pid: int
+    code: int | None
+    how: str  # :func:`death`'s words
+    keys: list  # the shards of the batches it held (or of its last one), [None] if none
+
+
+def death_of(pid: int, code: int | None, lost: Sequence[Held], last: Held | None) -> Death:
+    """The death of a worker that held the batches ``lost`` (still asked for), its last
+    batch ``last``: the shards it costs are those of ``lost``, else that of ``last``."""
+    held = list(lost) or ([last] if last is not None else [])
+    keys = list(dict.fromkeys(t.key for t in held)) or [None]
+    return Death(pid, code, death(pid, code, held[0] if lost else None, last), keys)
+
+
 def _described(task: Held) -> str:
     if task.what:  # names its shard already ("batch 3 of 9 of shard 'a'")
         return task.what
@@ -92,6 +113,10 @@ class DeathBudget:
         for k in keys:
             self._deaths[k] += 1
         return max(self._deaths[k] for k in keys)
+
+    def error_of(self, dead: Death) -> WorkerDied:
+        """The error of a death past the budget, named by its first shard."""
+        return self.error(dead.pid, dead.code, dead.how, dead.keys[0])
 
     def error(self, pid: int, code: int | None, how: str, key: Any) -> WorkerDied:
         """The error of a death past the budget (``how``: :func:`death`'s words)."""
