@@ -167,7 +167,7 @@ class ShardStream(Closing):
         #: the production stage: shards made in the producer threads or the caller's
         self.producer = Producer(source, transform, self._res, self.gate, self.dealer,
                                  self.sizes, self.stats, self.error_policy, schema,
-                                 self._remote, self.check_open)
+                                 self._remote, self.check_open, self.tuner)
         self._finalizer = weakref.finalize(self, _close_all, self._res, self.gate)
         track(self, self._finalizer)
 

@@ -197,8 +197,8 @@ def test_a_shard_failing_before_it_is_made_gives_its_admission_back():
                         memory_budget=64 << 20, prefetch=1, producers=1) as stream:
         run = stream.start_epoch()
         run.cancel()
-        adm = stream._open_admission(0, 0, 0)
+        adm = stream.producer._open_admission(0, 0, 0)
         assert stream.gate.in_flight == 1
         with pytest.raises(gs.LoaderClosed):
-            stream._produce(0, 0, 0, run, None, adm)
+            stream.producer._produce(0, 0, 0, run, None, adm)
         assert (stream.gate.in_flight, stream.gate.used) == (0, 0)

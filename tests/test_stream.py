@@ -204,7 +204,7 @@ def test_a_shard_whose_generation_ahead_ends_takes_the_place_before_a_new_genera
     window's shard then waited a whole generation: the tuning bench's generation-bound case,
     15 % slower). The waiting thread is held 0.2 s after the generation ends, as a busy
     machine may deschedule it."""
-    from gluon_stream._pipeline import run as run_module
+    from gluon_stream._pipeline.ahead import GenerationsAhead
     events = []
 
     def fn(key):
@@ -219,7 +219,7 @@ def test_a_shard_whose_generation_ahead_ends_takes_the_place_before_a_new_genera
         events.append(("load", key))
         return produce(key, epoch, *args, **kwargs)
 
-    generated = run_module.EpochRun.generated
+    generated = GenerationsAhead.wait_for
 
     def descheduled(self, index):
         seconds = generated(self, index)
@@ -228,7 +228,7 @@ def test_a_shard_whose_generation_ahead_ends_takes_the_place_before_a_new_genera
         return seconds
 
     monkeypatch.setattr(src, "produce", spied_produce)
-    monkeypatch.setattr(run_module.EpochRun, "generated", descheduled)
+    monkeypatch.setattr(GenerationsAhead, "wait_for", descheduled)
     with gs.ShardStream(src, prefetch=0, producers=1, generate_ahead=2) as stream:
         assert [s.key for s in stream] == list(range(5))
     ahead = [key for what, key in events if what == "generate" and key > 0]

@@ -17,13 +17,14 @@ and is made again, after it, by the consumer.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import threading
-from typing import Callable
+from typing import Callable, Protocol
 
 from .._utils.closing import WAIT_SLICE_S
 from ..errors import LoaderClosed, StreamError
 
-__all__ = ["Deferred", "RowOffsets"]
+__all__ = ["Deferred", "Frontier", "RowOffsets", "reaches"]
 
 
 class Deferred(StreamError):
@@ -107,3 +108,29 @@ class RowOffsets:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+
+
+class Frontier(Protocol):
+    """What :func:`reaches` asks of a pass."""
+
+    def frontier(self, index: int) -> tuple[bool, cf.Future | None]: ...
+
+    def check_alive(self) -> None: ...
+
+
+def reaches(offsets: RowOffsets, rows: int, run: Frontier) -> bool:
+    """``deal='balanced'``: whether the epoch's shards hold ``rows`` rows or more, counted in
+    order as far as their sizes are known. Waits for the sizes after those known (the pass
+    submits the next shards if none is in flight); False once every shard is known and they
+    hold fewer. A shard that failed where the count stands ends the wait (True): the consumer
+    meets it and applies the error policy, so the count never waits on it."""
+    while offsets.known < rows:
+        ended, fut = run.frontier(offsets.frontier)
+        if ended:
+            return False
+        if fut is not None and fut.done() and not fut.cancelled() \
+                and fut.exception() is not None:
+            return True
+        run.check_alive()
+        offsets.wait_change(WAIT_SLICE_S)
+    return True

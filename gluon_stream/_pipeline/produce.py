@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .deal import KeyDealer
     from .run import EpochRun
     from .sizes import ShardSizes
+    from .tuning import Tuner
 
 __all__ = ["Producer", "schema_of"]
 
@@ -59,13 +60,14 @@ class Producer:
         schema: The expected ``[(dtype, trailing shape)]`` (None: the first shard's).
         remote: An executor that generates shards elsewhere, or None.
         check_open: Raises unless the stream is open and used by its owner process.
+        tuner: The ``memory_budget`` tuner, told of every shard handed out, or None.
     """
 
     def __init__(self, source: Source, transform: Callable[[Any], Any] | None,
                  pool: ProducerPool, gate: MemoryGate | None, dealer: KeyDealer,
                  sizes: ShardSizes, stats: Stats, error_policy: ErrorPolicy,
                  schema: Sequence[tuple[Any, Sequence[int]]] | None, remote: cf.Executor | None,
-                 check_open: Callable[[], None]) -> None:
+                 check_open: Callable[[], None], tuner: Tuner | None = None) -> None:
         self.source, self.transform = source, transform
         self._res, self.gate, self.dealer, self.sizes = pool, gate, dealer, sizes
         self.stats, self.error_policy = stats, error_policy
@@ -74,6 +76,7 @@ class Producer:
         self._remote = remote
         #: the stream's check (closed, or used from another process than its owner's)
         self.check_open = check_open
+        self.tuner = tuner
 
     @property
     def closed(self) -> bool:
@@ -83,6 +86,47 @@ class Producer:
         """Forget a failure of shard ``key`` recorded in the cache, so that a retry makes it
         again (``on_error=('retry', n)``; see :meth:`CachingSource.retry_failures`)."""
         self.source.retry_failures([key], epoch)
+
+    def handed(self, shard: Shard, index: int, wait_s: float, before: int | None) -> None:
+        """A good shard at position ``index`` of its pass is handed to the consumer (which
+        waited ``wait_s`` for it): recorded, told to the tuner (which may refuse it, before
+        any batch of it), its size remembered and checked against a declared one
+        (``before``: ``deal='balanced'``, the rows before it)."""
+        record, key, epoch = shard.record, shard.key, shard.epoch
+        assert record is not None  # _make records every shard it makes
+        self.stats.add_shard(record)
+        if shard.admission is not None:  # the loop has it: shards after it rank first
+            shard.admission.handed()
+        if self.tuner is not None:
+            self.tuner.shard_ready(key, record.nbytes, record.samples, wait_s,
+                                   record.generate_s + record.load_s + record.transform_s,
+                                   epoch, shard.source_nbytes)
+        self.sizes.remember(key, self.dealer.made_epoch(epoch, index), shard.full_size)
+        if self.dealer.remainder_of(epoch) is None:
+            self.sizes.check_declared(key, epoch, index, before, len(shard))
+        logger.info("shard %r ready: %d samples (generate %.2f s, load %.2f s, "
+                    "transform %.2f s%s)", key, len(shard), record.generate_s,
+                    record.load_s, record.transform_s, ", cached" if record.cache_hit else "")
+
+    def failed(self, exc: BaseException, key: Any, epoch: int, index: int,
+               retried: int) -> str:
+        """Shard ``key`` at position ``index`` of pass ``epoch`` failed with ``exc`` after
+        ``retried`` retries: ``'retry'`` (its cached failure forgotten) or ``'skip'`` (recorded
+        in the stats), by the error policy (:meth:`ErrorPolicy.verdict`); else ``exc`` is
+        raised. Logged at WARNING, in full at DEBUG."""
+        verdict = self.error_policy.verdict(exc, retried)
+        if verdict == "raise":
+            raise exc
+        summary = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        logger.debug("shard %r failure in full: %s", key, exc)
+        if verdict == "retry":
+            logger.warning("shard %r failed (%s); retry %d/%d", key, summary, retried + 1,
+                           self.error_policy.retries)
+            self.forget_failure(key, self.dealer.made_epoch(epoch, index))
+        else:
+            logger.warning("skipping shard %r (epoch %d): %s", key, epoch, summary)
+            self.stats.add_shard(ShardRecord(key, epoch, error=f"{type(exc).__name__}: {exc}"))
+        return verdict
 
     def counted_size(self, key: Any, epoch: int) -> int:
         """A shard's samples after the transform: known ahead or seen (see
@@ -189,14 +233,14 @@ class Producer:
         until the place is taken the run counts the work as queued (from the end of that
         generation), so no new generation ahead starts while the window's shard waits."""
         if ahead:
-            run.unplaced(1)
+            run.ahead.unplaced(1)
         got = 0.0
         try:
             if not ahead:
-                got = run.generated(index)  # counts the work as queued once it returns
+                got = run.ahead.wait_for(index)  # counts the work as queued once it returns
             self._res.throttle.take((run.epoch, index))
         finally:
-            run.unplaced(-1)
+            run.ahead.unplaced(-1)
         try:
             yield got
         finally:
