@@ -270,6 +270,8 @@ def test_the_one_row_scenario_counts_every_shard_and_sample_on_both_sides():
     assert out["own_us_per_shard"] == pytest.approx(
         out["loader_us_per_shard"] - out["plain_us_per_shard"])
     assert out["x_plain"] > 0
+    assert out["loader_cpu_us_per_shard"] > 0 and out["plain_cpu_us_per_shard"] > 0
+    assert len(out["rounds"]["loader_cpu_s"]) == 2
     printed = "\n".join(one_row_lines(out))
     assert "70 keys of one row" in printed and f"{out['own_us_per_shard']:.1f} us" in printed
 
@@ -294,6 +296,7 @@ def test_the_growth_scenario_measures_every_size_of_every_part():
     assert all(e["state_bytes"] > 0 and e["epoch_ms"] > 0 for e in out["epochs"].values())
     printed = "\n".join(growth_lines(out))
     assert "shards/epoch" in printed and "merge ms" in printed and "1,000" in printed
+    assert "CPU us/shard loader" in printed
 
 
 def test_the_cli_passes_the_one_row_and_growth_sizes(monkeypatch, capsys):

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 from ... import FunctionSource, StreamLoader, merge_states
 from ..._mx import import_mxnet
 from .measure import median
-from .onerow import BATCH, loader_pass, one_row, per_shard, plain_pass
+from .onerow import BATCH, Pass, loader_pass, one_row, per_shard, plain_pass
 
 __all__ = ["GrowthSizes", "growth_lines", "run_growth_scenario"]
 
@@ -138,7 +138,7 @@ def run_growth_scenario(rounds: int, sizes: GrowthSizes = GrowthSizes()) -> dict
     import_mxnet()
     loader_pass(100)  # warm-up: imports, MXNet's engine, the loader's threads
     keys: dict[int, list[dict]] = {n: [] for n in sizes.keys}
-    shards: dict[int, tuple[list[float], list[float]]] = {n: ([], []) for n in sizes.shards}
+    shards: dict[int, tuple[list[Pass], list[Pass]]] = {n: ([], []) for n in sizes.shards}
     states = {n: rank_states(n) for n in sizes.ranks}
     merges: dict[int, list[dict]] = {n: [] for n in sizes.ranks}
     epochs: dict[int, list[dict]] = {n: [] for n in sizes.epochs}
@@ -146,8 +146,8 @@ def run_growth_scenario(rounds: int, sizes: GrowthSizes = GrowthSizes()) -> dict
         for n in sizes.keys:
             keys[n].append(keys_costs(n))
         for n in sizes.shards:
-            shards[n][0].append(loader_pass(n)[0])
-            shards[n][1].append(plain_pass(n)[0])
+            shards[n][0].append(loader_pass(n))
+            shards[n][1].append(plain_pass(n))
         for n in sizes.ranks:
             merges[n].append(merge_costs(states[n]))
         for n, figures in run_length(sizes.epochs).items():
@@ -173,11 +173,12 @@ def growth_lines(result: dict | None) -> list[str]:
                      f"{k['first_batch_ms']:>14.2f}{k['state_ms']:>10.2f}"
                      f"{k['state_bytes']:>9.0f}{k['epoch_start_8_ranks_ms']:>25.2f}")
     lines.append(f"  {'shards/epoch':>12}{'loader us/shard':>17}{'plain us/shard':>16}"
-                 f"{'own us/shard':>14}{'x plain':>9}")
+                 f"{'own us/shard':>14}{'x plain':>9}{'CPU us/shard loader':>21}{'plain':>7}")
     for n, s in result["shards"].items():
         lines.append(f"  {int(n):>12,}{s['loader_us_per_shard']:>17.1f}"
                      f"{s['plain_us_per_shard']:>16.1f}{s['own_us_per_shard']:>14.1f}"
-                     f"{s['x_plain']:>9.1f}")
+                     f"{s['x_plain']:>9.1f}{s['loader_cpu_us_per_shard']:>21.1f}"
+                     f"{s['plain_cpu_us_per_shard']:>7.1f}")
     lines.append(f"  {'ranks':>9}{'merge ms':>10}{'merged B':>10}{'rank state B':>14}"
                  f"{'resume ms':>11}")
     for n, r in result["ranks"].items():

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -26,13 +26,23 @@ from ... import FunctionSource, StreamLoader
 from ..._mx import import_mxnet
 from .measure import median
 
-__all__ = ["BATCH", "KEYS", "check_one_row", "loader_pass", "one_row", "one_row_lines",
+__all__ = ["BATCH", "KEYS", "Pass", "check_one_row", "loader_pass", "one_row", "one_row_lines",
            "plain_batches", "plain_pass", "run_one_row_scenario"]
 
 logger = logging.getLogger(__name__)
 
 KEYS = 3000
 BATCH = 32
+
+
+class Pass(NamedTuple):
+    """One timed pass: wall seconds, this process's CPU seconds (every thread), its batches and
+    samples."""
+
+    wall_s: float
+    cpu_s: float
+    batches: int
+    samples: int
 
 
 def one_row(key: int) -> tuple[np.ndarray, np.ndarray]:
@@ -60,26 +70,26 @@ def _batch(mx: Any, rows: list[tuple[np.ndarray, np.ndarray]]) -> tuple[Any, Any
             mx.nd.array(np.concatenate([label for _, label in rows])))
 
 
-def loader_pass(keys: int, batch_size: int = BATCH) -> tuple[float, int, int]:
-    """(seconds, batches, samples) of one epoch of the loader, from construction to close."""
+def loader_pass(keys: int, batch_size: int = BATCH) -> Pass:
+    """One epoch of the loader, timed from its construction to its close."""
     batches = samples = 0
     source = FunctionSource(range(keys), one_row)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     with StreamLoader(source, batch_size=batch_size, last_batch="keep") as loader:
         for data, _ in loader:
             batches += 1
             samples += data.shape[0]
-    return time.perf_counter() - start, batches, samples
+    return Pass(time.perf_counter() - start, time.process_time() - cpu, batches, samples)
 
 
-def plain_pass(keys: int, batch_size: int = BATCH) -> tuple[float, int, int]:
-    """(seconds, batches, samples) of the plain loop over the same keys."""
+def plain_pass(keys: int, batch_size: int = BATCH) -> Pass:
+    """The plain loop over the same keys, timed."""
     batches = samples = 0
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for data, _ in plain_batches(keys, batch_size):
         batches += 1
         samples += data.shape[0]
-    return time.perf_counter() - start, batches, samples
+    return Pass(time.perf_counter() - start, time.process_time() - cpu, batches, samples)
 
 
 def check_one_row(keys: int, batch_size: int = BATCH) -> dict:
@@ -103,9 +113,11 @@ def check_one_row(keys: int, batch_size: int = BATCH) -> dict:
                 for g, w in zip(got, want))}
 
 
-def per_shard(keys: int, loader_s: list[float], plain_s: list[float]) -> dict:
+def per_shard(keys: int, loader: list[Pass], plain: list[Pass]) -> dict:
     """The figures of interleaved passes over ``keys`` shards: medians over rounds, the own
-    work and the ratio taken within each round."""
+    work and the ratio taken within each round; CPU time too (every thread of this process:
+    what other jobs on the machine change least)."""
+    loader_s, plain_s = [p.wall_s for p in loader], [p.wall_s for p in plain]
     loader_med, plain_med = statistics.median(loader_s), statistics.median(plain_s)
     return {
         "keys": keys,
@@ -114,24 +126,26 @@ def per_shard(keys: int, loader_s: list[float], plain_s: list[float]) -> dict:
         "plain_us_per_shard": 1e6 * plain_med / keys,
         "own_us_per_shard": median([1e6 * (a - b) / keys for a, b in zip(loader_s, plain_s)]),
         "x_plain": median([a / b for a, b in zip(loader_s, plain_s)]),
-        "rounds": {"loader_s": loader_s, "plain_s": plain_s}}
+        "loader_cpu_us_per_shard": median([1e6 * p.cpu_s / keys for p in loader]),
+        "plain_cpu_us_per_shard": median([1e6 * p.cpu_s / keys for p in plain]),
+        "rounds": {"loader_s": loader_s, "plain_s": plain_s,
+                   "loader_cpu_s": [p.cpu_s for p in loader],
+                   "plain_cpu_s": [p.cpu_s for p in plain]}}
 
 
 def interleaved(keys: int, rounds: int, batch_size: int = BATCH) -> dict:
     """Loader and plain loop over ``keys`` one-row shards, ``rounds`` times each, interleaved;
     :func:`per_shard`'s figures plus the batches and samples every pass counted."""
-    loader_s: list[float] = []
-    plain_s: list[float] = []
+    loader: list[Pass] = []
+    plain: list[Pass] = []
     counts: set[tuple[str, int, int]] = set()
     for round_ in range(rounds):
-        for name, run, times in (("loader", loader_pass, loader_s),
-                                 ("plain", plain_pass, plain_s)):
-            seconds, batches, samples = run(keys, batch_size)
-            times.append(seconds)
-            counts.add((name, batches, samples))
+        for name, run, passes in (("loader", loader_pass, loader), ("plain", plain_pass, plain)):
+            passes.append(run(keys, batch_size))
+            counts.add((name, passes[-1].batches, passes[-1].samples))
         logger.info("one-row %d keys, round %d: loader %.3f s, plain %.3f s", keys, round_,
-                    loader_s[-1], plain_s[-1])
-    return {**per_shard(keys, loader_s, plain_s),
+                    loader[-1].wall_s, plain[-1].wall_s)
+    return {**per_shard(keys, loader, plain),
             "passes": sorted([{"who": w, "batches": b, "samples": s} for w, b, s in counts],
                              key=lambda p: p["who"])}
 
@@ -153,11 +167,11 @@ def one_row_lines(result: dict | None) -> list[str]:
     return [
         f"\none-row shards ({result['keys']} keys of one row, batch {result['batch_size']}, "
         f"last_batch='keep', no-op step; medians of {result['rounds_run']} interleaved rounds):",
-        f"  {'':<26}{'shards/s':>10}{'us/shard':>10}",
+        f"  {'':<26}{'shards/s':>10}{'us/shard':>10}{'CPU us/shard':>14}",
         f"  {'StreamLoader':<26}{result['loader_shards_per_s']:>10.0f}"
-        f"{result['loader_us_per_shard']:>10.1f}",
+        f"{result['loader_us_per_shard']:>10.1f}{result['loader_cpu_us_per_shard']:>14.1f}",
         f"  {'plain loop':<26}{result['plain_shards_per_s']:>10.0f}"
-        f"{result['plain_us_per_shard']:>10.1f}",
+        f"{result['plain_us_per_shard']:>10.1f}{result['plain_cpu_us_per_shard']:>14.1f}",
         f"  the loader's own work: {result['own_us_per_shard']:.1f} us per shard; loader time "
         f"{result['x_plain']:.1f}x the plain loop's",
         f"  check: {check['keys_made']} keys made ({check['calls']} calls with those made "
