@@ -35,6 +35,8 @@ def test_bench_runs_end_to_end_and_json_has_every_contender_and_figure(tmp_path,
     status = main(["bench", "--rounds", "1", "--shards", "2", "--rows", "150", "--step-ms", "0",
                    "--delay", "0", "--throughput-samples", "300", "--throughput-batch-size", "64",
                    "--memory-rows", "200", "--memory-epochs", "2", "--persample-images", "40",
+                   "--one-row-keys", "40", "--growth-keys", "50", "--growth-shards", "10",
+                   "--growth-ranks", "2", "--growth-epochs", "1,2",
                    "--no-warmup", "--scenarios", scenarios,
                    "--json", str(out)])
     assert status == 0
@@ -89,6 +91,13 @@ def test_bench_runs_end_to_end_and_json_has_every_contender_and_figure(tmp_path,
     assert "even_batches='pad'" in printed and "stats.diagnose()" in printed
     assert results["targets"] and all({"target", "value", "limit", "met"} <= set(t)
                                       for t in results["targets"])
+    one_row = results["one-row"]
+    assert one_row["check"]["every_key_once"] and one_row["keys"] == 40
+    assert results["growth"]["keys"]["50"]["len"] == 2 and set(results["growth"]["epochs"]) == {
+        "1", "2"}
+    assert "one-row shards" in printed and "growth:" in printed
+    assert "one-row: the loader's own work per shard, us" in {t["target"]
+                                                             for t in results["targets"]}
     ref = results["reference"]  # the machine's speed today, for comparing runs across days
     assert ref["images_per_s"] > 0 and ref["images_per_cpu_s"] >= ref["images_per_s"] * 0.9
     assert printed.startswith("reference rate") and f"{ref['images_per_s']:.0f} images/s" in printed
@@ -240,3 +249,69 @@ def test_the_features_scenario_runs_every_contender_each_round():
     assert {name: len(c["rounds"]) for name, c in out["contenders"].items()} == {
         "plain": 2, "2 parts": 2, "2 parts, even_batches='pad'": 2, "samples_per_epoch": 2,
         "MixSource 3:1": 2}
+
+
+def test_the_one_row_scenario_counts_every_shard_and_sample_on_both_sides():
+    """Issue 36's instrument: loader and plain loop over the same one-row shards, interleaved;
+    the figures agree with each other (no timing thresholds)."""
+    from gluon_stream.tools.bench.onerow import one_row_lines, run_one_row_scenario
+
+    out = run_one_row_scenario(rounds=2, keys=70)
+    assert out["check"] == {"keys_made": 70, "calls": out["check"]["calls"], "samples": 70,
+                            "batches": 3, "every_key_once": True, "same_batches_as_plain": True}
+    assert out["check"]["calls"] >= 70  # and those made ahead for the next epoch
+    # every timed pass, loader and plain, delivered 70 samples in 3 batches (32, 32, 6)
+    assert out["passes"] == [{"who": "loader", "batches": 3, "samples": 70},
+                             {"who": "plain", "batches": 3, "samples": 70}]
+    assert len(out["rounds"]["loader_s"]) == len(out["rounds"]["plain_s"]) == 2
+    assert out["loader_shards_per_s"] * out["loader_us_per_shard"] == pytest.approx(1e6)
+    assert out["plain_shards_per_s"] * out["plain_us_per_shard"] == pytest.approx(1e6)
+    # two rounds: the median difference is the difference of the medians
+    assert out["own_us_per_shard"] == pytest.approx(
+        out["loader_us_per_shard"] - out["plain_us_per_shard"])
+    assert out["x_plain"] > 0
+    assert out["loader_cpu_us_per_shard"] > 0 and out["plain_cpu_us_per_shard"] > 0
+    assert len(out["rounds"]["loader_cpu_s"]) == 2
+    printed = "\n".join(one_row_lines(out))
+    assert "70 keys of one row" in printed and f"{out['own_us_per_shard']:.1f} us" in printed
+
+
+def test_the_growth_scenario_measures_every_size_of_every_part():
+    from gluon_stream.tools.bench.growth import GrowthSizes, growth_lines, run_growth_scenario
+
+    sizes = GrowthSizes(keys=(100, 1000), shards=(10, 40), ranks=(2, 8), epochs=(1, 3))
+    out = json.loads(json.dumps(run_growth_scenario(2, sizes)))
+    assert out["sizes"] == {"keys": [100, 1000], "shards": [10, 40], "ranks": [2, 8],
+                            "epochs": [1, 3]}
+    # shard_sizes=1 made len() known: ceil(keys / 32) batches
+    assert {n: k["len"] for n, k in out["keys"].items()} == {"100": 4, "1000": 32}
+    assert all(k["state_bytes"] > 0 and k["epoch_start_8_ranks_ms"] > 0
+               for k in out["keys"].values())
+    assert [s["keys"] for s in out["shards"].values()] == [10, 40]
+    assert all(len(s["rounds"]["loader_s"]) == 2 for s in out["shards"].values())
+    ranks = out["ranks"]
+    assert set(ranks) == {"2", "8"}
+    assert ranks["8"]["merged_bytes"] > ranks["2"]["merged_bytes"] > ranks["2"]["rank_state_bytes"]
+    assert set(out["epochs"]) == {"1", "3"}
+    assert all(e["state_bytes"] > 0 and e["epoch_ms"] > 0 for e in out["epochs"].values())
+    printed = "\n".join(growth_lines(out))
+    assert "shards/epoch" in printed and "merge ms" in printed and "1,000" in printed
+    assert "CPU us/shard loader" in printed
+
+
+def test_the_cli_passes_the_one_row_and_growth_sizes(monkeypatch, capsys):
+    seen = {}
+
+    def fake(config):
+        seen["config"] = config
+        return {"targets": []}
+
+    monkeypatch.setattr(bench, "run_bench", fake)
+    assert main(["bench", "--scenarios", "one-row,growth", "--one-row-keys", "50",
+                 "--growth-keys", "10,20", "--growth-ranks", "4"]) == 0
+    config = seen["config"]
+    assert list(config.scenarios) == ["one-row", "growth"] and config.one_row_keys == 50
+    assert config.growth == bench.GrowthSizes(keys=(10, 20), shards=(100, 1000, 10000),
+                                              ranks=(4,), epochs=(1, 10, 100))
+    assert main(["bench", "--growth-epochs", "1,0"]) == 2
+    assert "--growth-epochs" in capsys.readouterr().err

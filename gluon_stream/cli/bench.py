@@ -66,11 +66,32 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--persample-images", type=positive_int, default=1500,
                         help="images per shard in the per-sample scenario (6 shards; default "
                              "1500)")
+    parser.add_argument("--one-row-keys", type=positive_int, default=3000,
+                        help="one-row shards per epoch in the one-row scenario")
+    parser.add_argument("--growth-keys", type=_sizes, default="1000,10000,100000,1000000",
+                        help="growth: comma-separated key counts (construction, len(), first "
+                             "batch, state, an epoch's start)")
+    parser.add_argument("--growth-shards", type=_sizes, default="100,1000,10000",
+                        help="growth: comma-separated shards per epoch (per-shard cost)")
+    parser.add_argument("--growth-ranks", type=_sizes, default="8,64,256,1024",
+                        help="growth: comma-separated rank counts whose states are merged")
+    parser.add_argument("--growth-epochs", type=_sizes, default="1,10,100",
+                        help="growth: comma-separated epoch counts after which the state is "
+                             "measured")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="skip the untimed warm-up pass")
     parser.add_argument("--json", metavar="PATH", type=output_path, default=None,
                         help="write every raw figure here (default: none)")
     parser.set_defaults(func=run_bench)
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    """A comma-separated list of positive integers (``1000,10000``)."""
+    sizes = tuple(positive_int(item) for item in csv_list(text))
+    if not sizes:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got "
+                                         f"{text!r}")
+    return sizes
 
 
 def _description() -> str:
@@ -115,7 +136,9 @@ def _config(args: argparse.Namespace) -> Any:
         rounds=args.rounds, delay=args.delay, throughput_samples=args.throughput_samples,
         throughput_batch_size=args.throughput_batch_size, memory_rows=args.memory_rows,
         memory_epochs=args.memory_epochs, persample_images=args.persample_images,
-        warmup=args.warmup,
+        warmup=args.warmup, one_row_keys=args.one_row_keys,
+        growth=bench.GrowthSizes(keys=args.growth_keys, shards=args.growth_shards,
+                                 ranks=args.growth_ranks, epochs=args.growth_epochs),
         argv={k: v for k, v in vars(args).items() if k != "func"})
 
 

@@ -49,6 +49,14 @@ milliseconds (see :mod:`.features`). ``tuning``: ``memory_budget`` alone (1 GiB)
 of hand-picked ``prefetch``/``producers``/``num_workers`` per workload, and a tight budget's
 peak memory and cost (see :mod:`.tuning`).
 
+``one-row``: ``--one-row-keys`` shards of one row each (default 3000) through
+``StreamLoader(batch_size=32, last_batch='keep')`` beside a plain loop that calls the same
+function and builds the same batches as NDArrays: shards/s and the loader's own work per shard
+in µs (see :mod:`.onerow`). ``growth``: how the loader's costs grow with the keys (10^3-10^6:
+construction, ``len()``, first batch, state, an epoch's start on 8 ranks), the shards per epoch,
+the ranks merged by ``merge_states`` (8-1024) and the run's length in epochs (state size), each
+size list an option (see :mod:`.growth`).
+
 Every run first records the machine's single-process reference rate (see :mod:`.reference`),
 printed above the tables and stored as ``reference``, so runs on different days compare.
 """
@@ -61,8 +69,11 @@ from typing import Any, Sequence
 
 from ..._mx import import_mxnet
 from .features import run_features_scenario
+from .growth import GrowthSizes, run_growth_scenario
 from .measure import make_step, measure_step
 from .memory import run_memory_scenario
+from .onerow import KEYS as ONE_ROW_KEYS
+from .onerow import run_one_row_scenario
 from .persample import PERSAMPLE_CONTENDERS, run_persample_scenario
 from .pipeline import (
     PIPELINE_CONTENDERS,
@@ -85,17 +96,17 @@ from .tuning import run_tuning_scenario
 from .window_epochs import WINDOW_EPOCHS, WINDOW_EPOCHS_CONTENDERS, run_window_epochs_scenario
 from .workload import Workload, ideal_time, wave_bound
 
-__all__ = ["BenchConfig", "PERSAMPLE_CONTENDERS", "PIPELINE_CONTENDERS", "PIPELINE_SCENARIOS",
-           "SCENARIOS", "STRAGGLER_CONTENDERS", "THROUGHPUT_CONTENDERS", "THROUGHPUT_SHAPES",
-           "WINDOW_EPOCHS_CONTENDERS", "Workload", "format_results", "ideal_in_order",
-           "ideal_time", "run_bench", "run_memory_scenario", "run_pipeline_scenario",
-           "run_stragglers_scenario", "run_throughput_scenario", "run_window_epochs_scenario",
-           "wave_bound"]
+__all__ = ["BenchConfig", "GrowthSizes", "PERSAMPLE_CONTENDERS", "PIPELINE_CONTENDERS",
+           "PIPELINE_SCENARIOS", "SCENARIOS", "STRAGGLER_CONTENDERS", "THROUGHPUT_CONTENDERS",
+           "THROUGHPUT_SHAPES", "WINDOW_EPOCHS_CONTENDERS", "Workload", "format_results",
+           "ideal_in_order", "ideal_time", "run_bench", "run_memory_scenario",
+           "run_pipeline_scenario", "run_stragglers_scenario", "run_throughput_scenario",
+           "run_window_epochs_scenario", "wave_bound"]
 
 logger = logging.getLogger(__name__)
 
 SCENARIOS = (*PIPELINE_SCENARIOS, "throughput", "per-sample", "placement", "memory", "stragglers",
-             "window-epochs", "features", "tuning")
+             "window-epochs", "features", "tuning", "one-row", "growth")
 
 
 @dataclass(frozen=True)
@@ -115,6 +126,8 @@ class BenchConfig:
     stragglers_dates: int = 15
     stragglers_batches: int = 15  # full batches per date
     window_epochs: int = WINDOW_EPOCHS
+    one_row_keys: int = ONE_ROW_KEYS
+    growth: GrowthSizes = GrowthSizes()
     warmup: bool = True
     argv: dict = field(default_factory=dict)
 
@@ -184,6 +197,10 @@ def run_bench(config: BenchConfig) -> dict:
                 dates=min(config.stragglers_dates, 10))
             results[scenario] = run_tuning_scenario(workloads, config.rounds,
                                                     config.persample_images, seed=base.seed)
+        elif scenario == "one-row":
+            results[scenario] = run_one_row_scenario(config.rounds, keys=config.one_row_keys)
+        elif scenario == "growth":
+            results[scenario] = run_growth_scenario(config.rounds, config.growth)
         else:
             raise ValueError(f"unknown bench scenario {scenario!r}; choose from "
                              f"{', '.join(SCENARIOS)}")

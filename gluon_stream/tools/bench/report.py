@@ -4,6 +4,8 @@ from __future__ import annotations
 from ..._utils.validate import every_nth
 from ...diagnosis import Diagnosis
 from .features import features_lines
+from .growth import growth_lines
+from .onerow import one_row_lines
 from .pipeline import PIPELINE_SCENARIOS
 from .tuning import tuning_lines
 
@@ -90,6 +92,10 @@ def targets(results: dict) -> list[dict]:
     for name, res in results.get("window-epochs", {}).get("scenarios", {}).items():
         add(f"window-epochs {name}: shuffle_window=4 vs 1 over "
             f"{results['window-epochs']['epochs']} epochs", res["window_vs_1"], 1.05, "<=")
+    one_row = results.get("one-row")
+    if one_row:  # issue 36: at most 100 us of the loader's own work per one-row shard
+        add("one-row: the loader's own work per shard, us", one_row["own_us_per_shard"],
+            100.0, "<=")
     return out
 
 
@@ -211,6 +217,8 @@ def format_results(results: dict) -> str:
     lines.extend(_window_epochs_lines(results.get("window-epochs")))
     lines.extend(features_lines(results.get("features")))
     lines.extend(tuning_lines(results.get("tuning")))
+    lines.extend(one_row_lines(results.get("one-row")))
+    lines.extend(growth_lines(results.get("growth")))
     targets = results.get("targets")
     if targets:
         lines.append("\ntargets:")
