@@ -125,8 +125,10 @@ class SlicePath:
         return self._mixer.submit(self.mix, mixed)
 
     def cut(self, unit: Any, segment: Segment) -> tuple:
-        """Carried rows as a copy: a small leftover must not keep the whole unit alive."""
-        return tuple(a[segment.start:segment.stop].copy() for a in unit.arrays)
+        """Carried rows as a copy: a small leftover must not keep the whole unit alive (a
+        small shard kept in numpy is kept whole: it is small, and its batch copies it)."""
+        return tuple(a[segment.start:segment.stop] if isinstance(a, np.ndarray)
+                     else a[segment.start:segment.stop].copy() for a in unit.arrays)
 
     def batches(self, feed: UnitFeed, carry: Carry, first: int = 0,
                 seed_of: Callable[[int], int] | None = None) -> Iterator[tuple[Batch, Any]]:

@@ -57,15 +57,8 @@ class Throttle:
         """Wait for a place, after any waiting work of a lower ``rank`` (equal ranks: first
         come, first served), and hold it for this thread."""
         with self._cond:
-            entry = (rank, next(self._tickets))
-            heapq.heappush(self._waiting, entry)
-            try:
-                while (self.running >= self.active or self._waiting[0] != entry) \
-                        and not self._closed:
-                    self._cond.wait(WAIT_SLICE_S)
-            finally:
-                self._waiting.remove(entry)
-                heapq.heapify(self._waiting)
+            if self._waiting or self.running >= self.active:  # else: a free place, now
+                self._wait_turn(rank)
             if self._closed:
                 self._cond.notify_all()
                 raise LoaderClosed("the stream was closed")
@@ -75,6 +68,17 @@ class Throttle:
             self._places[ident] = next(p for p in range(len(taken) + 1) if p not in taken)
             self._ranks[ident] = rank
             self._cond.notify_all()  # the next in line may find a place too
+
+    def _wait_turn(self, rank: tuple) -> None:
+        entry = (rank, next(self._tickets))
+        heapq.heappush(self._waiting, entry)
+        try:
+            while (self.running >= self.active or self._waiting[0] != entry) \
+                    and not self._closed:
+                self._cond.wait(WAIT_SLICE_S)
+        finally:
+            self._waiting.remove(entry)
+            heapq.heapify(self._waiting)
 
     def give(self) -> None:
         """Give this thread's place up."""
