@@ -32,6 +32,7 @@ from .errors import (
     WorkerDied,
 )
 from .loader import StreamLoader
+from ._pipeline.provenance import Provenance
 from .metrics import Metrics, MetricsExporter
 from .shardfile import inspect_shard, load_shard, write_shard
 from .sources import CommandSource, FileSource, FunctionSource, MixSource, Source
@@ -56,6 +57,7 @@ __all__ = [
     "Metrics",
     "MetricsExporter",
     "MixSource",
+    "Provenance",
     "SchemaMismatch",
     "Shard",
     "ShardError",

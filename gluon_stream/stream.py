@@ -29,6 +29,7 @@ from ._pipeline.admission import Admission, MemoryGate
 from ._pipeline.keys import KeyTape, part_endless, part_keys
 from ._pipeline.offsets import Deferred
 from ._pipeline.producers import ProducerPool, Throttle
+from ._pipeline.provenance import ShardOrigin
 from ._pipeline.remainder import Remainder
 from ._pipeline.reservations import ShardReservations, copy_bytes
 from ._pipeline.run import EpochRun, RunState
@@ -191,6 +192,7 @@ class ShardStream(Closing):
         self.epoch = 0
         self._next_run: EpochRun | None = None
         self.keep_keys = False  # keep an endless iterator's keys (samples_per_epoch restarts)
+        self.keep_origins = False  # provenance=True: each shard keeps its ShardOrigin
         self._tapes: dict[tuple[int, int], KeyTape] = {}
         #: an elastic resume: the rest of the interrupted epoch, read in place of its keys
         self.remainder: Remainder | None = None
@@ -732,6 +734,8 @@ class ShardStream(Closing):
         shard = Shard(key, epoch, index, arrays, names=names, full_size=full_size,
                       rows=int(arrays[0].shape[0]), schema=schema_of(arrays),
                       source_nbytes=source_nbytes)
+        if self.keep_origins:  # provenance: the raw row of each row read
+            shard.origin = ShardOrigin(key, made, order)
         t2 = clock()
         gen_end = t0 + raw.generate_s
         load_end = gen_end + raw.load_s
