@@ -240,3 +240,14 @@ def test_the_features_scenario_runs_every_contender_each_round():
     assert {name: len(c["rounds"]) for name, c in out["contenders"].items()} == {
         "plain": 2, "2 parts": 2, "2 parts, even_batches='pad'": 2, "samples_per_epoch": 2,
         "MixSource 3:1": 2}
+
+
+def test_the_provenance_scenario_runs_every_contender_each_round():
+    from gluon_stream.tools.bench.provenance import provenance_lines, run_provenance_scenario
+
+    out = run_provenance_scenario(rounds=2, rows=70)
+    assert {name: len(c["rounds"]) for name, c in out["contenders"].items()} == {
+        f"window {w}, {how}": 2 for w in (1, 4) for how in ("off", "on", "on, read")}
+    assert all(c["us_per_batch"] > 0 for c in out["contenders"].values())
+    assert out["contenders"]["window 1, off"]["extra_us"] == 0
+    assert any("us against off" in line for line in provenance_lines(out))

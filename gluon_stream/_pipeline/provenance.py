@@ -50,6 +50,9 @@ class Provenance:
         padding: True where the row is padding: rows ``even_batches='pad'`` added to a short
             batch (copies of the batch's first rows), and every row of a batch that
             ``even_batches`` repeats (or borrows) to keep the ranks' step counts equal.
+            Keys and rows still name the data of a padding row (a copy of a real one).
+
+    The arrays are read-only.
     """
 
     keys: tuple
@@ -85,13 +88,28 @@ class ShardOrigin:
         return np.asarray(self.order[rows], dtype=np.int64)
 
 
-@dataclass(frozen=True)
 class _MixedOrigin:
-    """A shuffle window's unit: each sample's shard position and row in its read order."""
+    """A shuffle window's unit: each sample's shard position and row in its read order, traced
+    back for the whole unit the first time a batch of it is read (then sliced per batch)."""
 
-    shards: np.ndarray
-    rows: np.ndarray
-    origins: dict[int, ShardOrigin]
+    def __init__(self, shards: np.ndarray, rows: np.ndarray,
+                 origins: dict[int, ShardOrigin]) -> None:
+        self.shards, self.rows, self.origins = shards, rows, origins
+        self._traced: tuple[list, np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def traced(self) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
+        """(keys by index, each sample's key index, raw row, epoch)."""
+        if self._traced is None:
+            positions = sorted(self.origins)
+            which = np.searchsorted(np.asarray(positions, np.int64), self.shards)
+            rows = np.empty(len(self.shards), np.int64)
+            epochs = np.empty(len(self.shards), np.int64)
+            for i, j in enumerate(positions):
+                m = which == i
+                rows[m] = self.origins[j].raw_rows(self.rows[m])
+                epochs[m] = self.origins[j].epoch
+            self._traced = ([self.origins[j].key for j in positions], which, rows, epochs)
+        return self._traced
 
 
 _Origin = Union[ShardOrigin, _MixedOrigin]
@@ -182,8 +200,9 @@ def _build(pending: _Pending) -> Provenance:
         rows.append(r)
         epochs.append(e)
     n = len(keys)
-    row = np.concatenate(rows) if rows else np.zeros(0, np.int64)
-    epoch = np.concatenate(epochs) if epochs else np.zeros(0, np.int64)
+    row = rows[0] if len(rows) == 1 else np.concatenate(rows) if rows else np.zeros(0, np.int64)
+    epoch = epochs[0] if len(epochs) == 1 else \
+        np.concatenate(epochs) if epochs else np.zeros(0, np.int64)
     padding = np.zeros(n, bool)
     if pending.pad and n:
         cycle = np.arange(n + pending.pad) % n  # as pad_rows repeats the batch's rows
@@ -192,6 +211,8 @@ def _build(pending: _Pending) -> Provenance:
         padding = np.arange(len(cycle)) >= n
     if pending.repeated:
         padding = np.ones(len(keys), bool)
+    for array in (row, epoch, padding):  # views of what later records read too
+        array.flags.writeable = False
     return Provenance(tuple(keys), row, epoch, padding)
 
 
@@ -204,12 +225,6 @@ def _segment(seg: Any, origin: _Origin) -> tuple[list, np.ndarray, np.ndarray]:
     if isinstance(origin, ShardOrigin):
         return ([origin.key] * n, origin.raw_rows(slice(seg.start, seg.stop)),
                 np.full(n, origin.epoch, np.int64))
-    where, read = origin.shards[seg.start:seg.stop], origin.rows[seg.start:seg.stop]
-    rows = np.empty(n, np.int64)
-    epochs = np.empty(n, np.int64)
-    for j in np.unique(where).tolist():
-        m = where == j
-        shard = origin.origins[j]
-        rows[m] = shard.raw_rows(read[m])
-        epochs[m] = shard.epoch
-    return [origin.origins[j].key for j in where.tolist()], rows, epochs
+    keys, which, rows, epochs = origin.traced()
+    part = slice(seg.start, seg.stop)
+    return [keys[i] for i in which[part].tolist()], rows[part], epochs[part]

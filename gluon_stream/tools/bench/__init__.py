@@ -47,7 +47,8 @@ mixes for windows of 1, 2, 4 and 8. ``features``: what ``even_batches='pad'``,
 ``samples_per_epoch`` and ``MixSource`` cost in speed, and a saved state and ``diagnose()`` in
 milliseconds (see :mod:`.features`). ``tuning``: ``memory_budget`` alone (1 GiB) against a grid
 of hand-picked ``prefetch``/``producers``/``num_workers`` per workload, and a tight budget's
-peak memory and cost (see :mod:`.tuning`).
+peak memory and cost (see :mod:`.tuning`). ``provenance``: microseconds per batch with
+``provenance=True`` (read every batch or not) against without (see :mod:`.provenance`).
 
 Every run first records the machine's single-process reference rate (see :mod:`.reference`),
 printed above the tables and stored as ``reference``, so runs on different days compare.
@@ -72,6 +73,7 @@ from .pipeline import (
     run_pipeline_scenario,
 )
 from .placement import run_placement_scenario
+from .provenance import run_provenance_scenario
 from .reference import reference_rate
 from .report import format_results, targets
 from .stragglers import (
@@ -95,7 +97,7 @@ __all__ = ["BenchConfig", "PERSAMPLE_CONTENDERS", "PIPELINE_CONTENDERS", "PIPELI
 logger = logging.getLogger(__name__)
 
 SCENARIOS = (*PIPELINE_SCENARIOS, "throughput", "per-sample", "placement", "memory", "stragglers",
-             "window-epochs", "features", "tuning")
+             "window-epochs", "features", "tuning", "provenance")
 
 
 @dataclass(frozen=True)
@@ -184,6 +186,10 @@ def run_bench(config: BenchConfig) -> dict:
                 dates=min(config.stragglers_dates, 10))
             results[scenario] = run_tuning_scenario(workloads, config.rounds,
                                                     config.persample_images, seed=base.seed)
+        elif scenario == "provenance":
+            # 16 shards of a fifth of --throughput-samples rows each (default 4000)
+            results[scenario] = run_provenance_scenario(
+                config.rounds, seed=base.seed, rows=max(64, config.throughput_samples // 5))
         else:
             raise ValueError(f"unknown bench scenario {scenario!r}; choose from "
                              f"{', '.join(SCENARIOS)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 from ..._utils.validate import every_nth
 from ...diagnosis import Diagnosis
 from .features import features_lines
+from .provenance import provenance_lines
 from .pipeline import PIPELINE_SCENARIOS
 from .tuning import tuning_lines
 
@@ -211,6 +212,7 @@ def format_results(results: dict) -> str:
     lines.extend(_window_epochs_lines(results.get("window-epochs")))
     lines.extend(features_lines(results.get("features")))
     lines.extend(tuning_lines(results.get("tuning")))
+    lines.extend(provenance_lines(results.get("provenance")))
     targets = results.get("targets")
     if targets:
         lines.append("\ntargets:")
