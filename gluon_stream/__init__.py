@@ -8,6 +8,7 @@ Importing gluon_stream does not import MXNet: that happens on first use (a loade
 ``StreamIter``), so shard files, sources and ``gluon-stream inspect`` work without it.
 """
 from ._mx import import_mxnet
+from ._pipeline.provenance import Provenance
 from ._version import __version__
 from .diagnosis import Diagnosis
 from .elastic import merge_states
@@ -32,7 +33,6 @@ from .errors import (
     WorkerDied,
 )
 from .loader import StreamLoader
-from ._pipeline.provenance import Provenance
 from .metrics import Metrics, MetricsExporter
 from .shardfile import inspect_shard, load_shard, write_shard
 from .sources import CommandSource, FileSource, FunctionSource, MixSource, Source

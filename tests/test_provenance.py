@@ -87,7 +87,7 @@ def test_pad_rows_and_padding_batches_are_marked():
     parts, seen, masks = 3, [], []
     for part in range(parts):
         with loader(num_parts=parts, part_index=part, even_batches="pad", seed=1) as ld:
-            for batch in ld:
+            for _ in ld:
                 masks.append((ld.pad, ld.last_provenance.padding.tolist()))
         with loader(num_parts=parts, part_index=part, even_batches="pad", seed=1) as ld:
             seen.extend(real(checked_epoch(ld, 0)))
@@ -193,7 +193,7 @@ def test_off_by_default_and_asking_says_how():
     with gs.StreamLoader(source(), BS) as ld:
         next(iter(ld))
         with pytest.raises(ValueError, match="provenance=True"):
-            ld.last_provenance
+            _ = ld.last_provenance
         assert not ld.stream.keep_origins
     with pytest.raises(TypeError, match="provenance"):
         gs.StreamLoader(source(), BS, provenance="yes")

@@ -80,7 +80,7 @@ class UnitSources:
 
     def mixed(self, epoch: int, data: "MixedData") -> None:
         if self.origins is not None:
-            self.origins.mixed(epoch, data)
+            self.origins.mixed(epoch, data.unit, data.shards)
         names = {j: _source(shard) for j, shard in data.shards.items()}
         if any(name is not None for name in names.values()):
             self._units[(epoch, data.index)] = (data.unit.shards, names)

@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence, Union
+from typing import Any, Sequence, Union
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .batching import Position, Segment
-    from .feed import MixedData
-    from .shard import Shard
+from .batching import MixedUnit, Position, Segment
+from .shard import Shard
 
 __all__ = ["Provenance", "ProvenanceTracker", "ShardOrigin"]
 
@@ -139,15 +137,15 @@ class ProvenanceTracker:
         self._built: Provenance | None = None
 
     # -- units --------------------------------------------------------------------------
-    def shard(self, epoch: int, unit: int, shard: "Shard") -> None:
+    def shard(self, epoch: int, unit: int, shard: Shard) -> None:
         self._units[(epoch, unit)] = _origin_of(shard)
 
-    def mixed(self, epoch: int, data: "MixedData") -> None:
-        origins = {j: _origin_of(s) for j, s in data.shards.items()}
-        self._units[(epoch, data.index)] = _MixedOrigin(data.unit.shards, data.unit.rows,
-                                                        origins)
+    def mixed(self, epoch: int, unit: MixedUnit, shards: dict[int, Shard]) -> None:
+        """A shuffle window's unit, and the shards it reads by their position in the epoch."""
+        origins = {j: _origin_of(s) for j, s in shards.items()}
+        self._units[(epoch, unit.index)] = _MixedOrigin(unit.shards, unit.rows, origins)
 
-    def forget_before(self, position: "Position") -> None:
+    def forget_before(self, position: Position) -> None:
         """No batch reads units before ``position``'s unit or its carried segments any more."""
         first = min([(position.epoch, position.unit)]
                     + [(s.epoch, s.unit) for s in position.carry])
@@ -155,7 +153,7 @@ class ProvenanceTracker:
             del self._units[unit]
 
     # -- batches ------------------------------------------------------------------------
-    def delivered(self, segments: Sequence["Segment"], pad: int = 0) -> None:
+    def delivered(self, segments: Sequence[Segment], pad: int = 0) -> None:
         """A batch of ``segments`` was yielded, ``pad`` rows of padding after them."""
         units = self._units
         self._set(_Pending(tuple((s, units.get((s.epoch, s.unit), _UNKNOWN))
@@ -167,11 +165,9 @@ class ProvenanceTracker:
             last = self._last
             self._set(_Pending(last.parts, last.pad, True))
 
-    def borrowed(self, shard: "Shard", rows: int, batch_size: int) -> None:
+    def borrowed(self, shard: Shard, rows: int, batch_size: int) -> None:
         """A batch of another shard's first ``rows`` rows cycled to ``batch_size``, all of it
         padding (a part with no batch of its own to repeat)."""
-        from .batching import Segment  # a rare path: kept out of the module's imports
-
         segment = Segment(shard.epoch, -1, 0, rows, shard.key)
         self._set(_Pending(((segment, _origin_of(shard)),), batch_size - rows, True))
 
@@ -186,7 +182,7 @@ class ProvenanceTracker:
         return self._built
 
 
-def _origin_of(shard: "Shard") -> ShardOrigin:
+def _origin_of(shard: Shard) -> ShardOrigin:
     origin = shard.origin
     return origin if origin is not None else ShardOrigin(shard.key, shard.epoch)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 from ..._utils.validate import every_nth
 from ...diagnosis import Diagnosis
 from .features import features_lines
-from .provenance import provenance_lines
 from .pipeline import PIPELINE_SCENARIOS
+from .provenance import provenance_lines
 from .tuning import tuning_lines
 
 __all__ = ["DIAGNOSED", "UNBOUNDED", "fmt", "format_results", "targets"]
