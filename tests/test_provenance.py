@@ -197,3 +197,17 @@ def test_off_by_default_and_asking_says_how():
         assert not ld.stream.keep_origins
     with pytest.raises(TypeError, match="provenance"):
         gs.StreamLoader(source(), BS, provenance="yes")
+
+
+def test_placed_batches_and_skipped_shards():
+    import mxnet as mx
+
+    def failing(key):
+        if key == 3:
+            raise RuntimeError("no data for key 3")
+        return values(key)
+
+    with loader(gs.FunctionSource(range(len(SIZES)), failing), shuffle=True, seed=6,
+                ctx=mx.cpu(0), on_error="skip") as ld:
+        samples = real(checked_epoch(ld, 0))
+    assert sorted((k, r) for k, r, _ in samples) == [(k, r) for k, r in every_sample() if k != 3]
