@@ -4,6 +4,8 @@ a batch's values are what its provenance names, through shuffles, shuffle window
 'pad', repeats, ranks with each deal, per-sample workers and resumes."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -158,7 +160,7 @@ def test_a_resumed_loader_names_the_rest(window, cut):
             head.append(ld.last_provenance.samples())
             if len(head) == cut:
                 break
-        state = ld.state_dict()
+        state = json.loads(json.dumps(ld.state_dict()))  # as saved to a file
     with loader(**kw) as resumed:
         resumed.load_state_dict(state)
         rest = [p.samples() for p in checked_epoch(resumed, 0)]
