@@ -8,6 +8,8 @@ whether input 0 goes up). An LSTM with one output per label trains on the batche
 dates are generated. Each epoch ends with an exact validation pass over two held-out dates:
 ``even_batches='pad'`` gives every rank the same number of full batches, and ``loader.pad``
 says how many rows at the end of a batch are padding, so each sample counts once.
+With ``provenance=True`` the loader names each window's date and row, and each epoch prints
+the window with the largest loss (where to look when the loss spikes).
 
     python examples/timeseries_lstm.py                 # 8 dates, 2 epochs
     python examples/timeseries_lstm.py --tiny          # seconds, for CI
@@ -50,6 +52,18 @@ class ThreeHeadLSTM(gluon.HybridBlock):
         out = self.lstm(x)  # (batch, time, hidden)
         last = F.squeeze(F.slice_axis(out, axis=1, begin=-1, end=None), axis=1)
         return self.heads(last)  # (batch, 3): next0, next1, up-logit
+
+
+def worst_window(loader: gs.StreamLoader, loss: mx.nd.NDArray, worst: tuple | None
+                 ) -> tuple | None:
+    """(loss, date, window, epoch) of the largest per-sample loss so far: the window's date and
+    its row in that date's windows, from ``loader.last_provenance`` (``provenance=True``)."""
+    values = loss.asnumpy()
+    i = int(values.argmax())
+    if worst is not None and values[i] <= worst[0]:
+        return worst
+    origin = loader.last_provenance
+    return float(values[i]), origin.keys[i], int(origin.rows[i]), int(origin.epochs[i])
 
 
 def validate(net: gluon.Block, source: gs.Source, args: argparse.Namespace) -> tuple[float, int]:
@@ -105,10 +119,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         source = gs.CommandSource(dates, command, cache_dir=cache_dir, timeout=120, retries=1)
         with gs.StreamLoader(source, batch_size=args.batch_size, shuffle=True, seed=0,
                              transform=lambda raw: make_samples(raw, args.time_steps),
-                             last_batch="rollover", prefetch=2, producers=2) as loader:
+                             last_batch="rollover", prefetch=2, producers=2,
+                             provenance=True) as loader:
             for epoch in range(args.epochs):
                 loader.set_epoch(epoch)
                 t0, total, seen = time.perf_counter(), 0.0, 0
+                worst = None  # the window with the largest loss (provenance)
                 for x, next0, next1, up in loader:
                     with autograd.record():
                         out = net(x)
@@ -118,11 +134,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     trainer.step(x.shape[0])
                     total += float(loss.sum().asscalar())
                     seen += x.shape[0]
+                    worst = worst_window(loader, loss, worst)
                 wall = time.perf_counter() - t0
                 mse, count = validate(net, gs.CommandSource(held_out, command, cache_dir=cache_dir,
                                                             timeout=120, retries=1), args)
                 print(f"epoch {epoch}: {seen} windows, loss {total / max(seen, 1):.4f}, "
                       f"{seen / wall:,.0f} samples/s; validation MSE {mse:.4f} over {count}")
+                if worst is not None:
+                    print(f"  largest loss {worst[0]:.3f}: date {worst[1]}, window {worst[2]} "
+                          f"(made for epoch {worst[3]})")
             print(loader.stats.summary())
     return 0
 

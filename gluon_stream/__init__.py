@@ -8,6 +8,7 @@ Importing gluon_stream does not import MXNet: that happens on first use (a loade
 ``StreamIter``), so shard files, sources and ``gluon-stream inspect`` work without it.
 """
 from ._mx import import_mxnet
+from ._pipeline.provenance import Provenance
 from ._version import __version__
 from .diagnosis import Diagnosis
 from .elastic import merge_states
@@ -56,6 +57,7 @@ __all__ = [
     "Metrics",
     "MetricsExporter",
     "MixSource",
+    "Provenance",
     "SchemaMismatch",
     "Shard",
     "ShardError",

@@ -315,3 +315,12 @@ def test_the_cli_passes_the_one_row_and_growth_sizes(monkeypatch, capsys):
                                               ranks=(4,), epochs=(1, 10, 100))
     assert main(["bench", "--growth-epochs", "1,0"]) == 2
     assert "--growth-epochs" in capsys.readouterr().err
+def test_the_provenance_scenario_runs_every_contender_each_round():
+    from gluon_stream.tools.bench.provenance import provenance_lines, run_provenance_scenario
+
+    out = run_provenance_scenario(rounds=2, rows=70)
+    assert {name: len(c["rounds"]) for name, c in out["contenders"].items()} == {
+        f"window {w}, {how}": 2 for w in (1, 4) for how in ("off", "on", "on, read")}
+    assert all(c["us_per_batch"] > 0 for c in out["contenders"].values())
+    assert out["contenders"]["window 1, off"]["extra_us"] == 0
+    assert any("us against off" in line for line in provenance_lines(out))

@@ -76,6 +76,7 @@ def check_batches(out: str, cwd: Path) -> None:
     assert "keep [[8, 8, 8, 8, 7], [8, 8, 8, 8, 7]]" in out
     assert "discard [[8, 8, 8, 8], [8, 8, 8, 8]]" in out
     assert "rollover [[8, 8, 8, 8], [8, 8, 8, 8, 8]]" in out
+    assert "loss 1e+12 from key 2, row 7, epoch 0" in out  # provenance finds the spike
 
 
 def check_errors(out: str, cwd: Path) -> None:

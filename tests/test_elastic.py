@@ -37,7 +37,8 @@ def make_loader(cfg: model.Config, parts: int, rank: int, batch_size: int) -> gs
                            batch_size=batch_size, shuffle=cfg.shuffle, seed=cfg.seed,
                            num_parts=parts, part_index=rank, even_batches=cfg.even,
                            last_batch=cfg.last_batch, shard_sizes=sizes, prefetch=1,
-                           shuffle_window=cfg.window, samples_per_epoch=cfg.samples_per_epoch)
+                           shuffle_window=cfg.window, samples_per_epoch=cfg.samples_per_epoch,
+                           provenance=cfg.seed % 2 == 0)  # half the draws check origins too
 
 
 def train(loader: gs.StreamLoader, batch_size: int, stop: int | None) -> tuple[list, int]:
@@ -46,7 +47,12 @@ def train(loader: gs.StreamLoader, batch_size: int, stop: int | None) -> tuple[l
     if stop == 0:
         return rows, count
     for batch in loader:
-        rows += batch.asnumpy()[:batch_size - loader.pad].tolist()
+        data = batch.asnumpy()
+        if loader.stream.producer.keep_origins:  # every row is the key's raw row its record names
+            prov = loader.last_provenance
+            assert data.tolist() == [model.SPAN * k + r for k, r in zip(prov.keys,
+                                                                         prov.rows.tolist())]
+        rows += data[:batch_size - loader.pad].tolist()
         count += 1
         if count == stop:
             break

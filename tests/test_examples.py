@@ -39,6 +39,11 @@ def test_timeseries_lstm_trains_two_epochs_on_generated_dates(tmp_path):
     assert all("416 windows" in line for line in epochs)
     # exact validation (even_batches='pad'): 2 held-out dates x 142 windows, each counted once
     assert all("validation MSE" in line and line.endswith("over 284") for line in epochs)
+    # provenance: each epoch names its worst window's date (a training date) and row
+    worst = [line for line in out if line.startswith("  largest loss")]
+    assert len(worst) == 2 and all(re.search(r"date 2024-01-0[123], window (\d+) ", line)
+                                   and int(re.search(r"window (\d+)", line)[1]) < 142
+                                   for line in worst)
     assert "shards: 6 produced (3 cache hits)" in out[-1]  # epoch 1 reuses the cache
     assert os.listdir(tmp_path) == []  # its temporary cache is gone
 

@@ -165,7 +165,8 @@ def make_loader(cfg: model.Config, path: str) -> gs.StreamLoader:
         last_batch=cfg.last_batch, shuffle=cfg.shuffle, seed=cfg.seed,
         shuffle_window=cfg.shuffle_window, num_parts=cfg.num_parts, part_index=cfg.part_index,
         even_batches=cfg.even_batches, on_error="skip" if cfg.failing else "raise",
-        prefetch=1, producers=1, samples_per_epoch=cfg.samples_per_epoch, **kw)
+        prefetch=1, producers=1, samples_per_epoch=cfg.samples_per_epoch,
+        provenance=cfg.seed % 2 == 0, **kw)  # half the draws also check each batch's origins
 
 
 def holding_for(holding, cfg, epochs, cuts):
@@ -229,21 +230,26 @@ def _until(loader, cfg, epochs, state, cut, got, loop):
             loader.set_epoch(epoch)
         batches = iter(loader)
         for batch in batches:
-            got.append(seen(loader, batch))
+            got.append(seen(loader, batch, cfg))
             if cut is not None and len(got) == cut[0]:
                 if not cut[1]:
                     return loader.state_dict()  # after the batch, before StopIteration
                 following = next(batches, None)  # after StopIteration, if that was the last
                 if following is not None:
-                    got.append(seen(loader, following))
+                    got.append(seen(loader, following, cfg))
                     return loader.state_dict()
                 return loader.state_dict()
     return None
 
 
-def seen(loader, batch):
-    """A batch's sample ids; with even_batches='pad', with its padding rows."""
+def seen(loader, batch, cfg):
+    """A batch's sample ids; with even_batches='pad', with its padding rows. With provenance
+    on, the ids must be those its record names (key and raw row), padding marked as such."""
     ids = batch_ids(batch)
+    if loader.stream.producer.keep_origins:
+        prov = loader.last_provenance
+        assert ids == [cfg.sample_id(k, r) for k, r in zip(prov.keys, prov.rows.tolist())]
+        assert int(prov.padding.sum()) == loader.pad or prov.padding.all()
     return (ids, loader.pad) if loader.even_batches == "pad" else ids
 
 
@@ -322,9 +328,11 @@ def rank_outcome(cfg, epochs, holding):
     try:
         if holding == "with":
             with loader:
-                got = _epochs(loader, epochs)
+                got = _epochs(loader, epochs, cfg)
         else:
-            got = _epochs(loader, epochs)
+            got = _epochs(loader, epochs, cfg)
+    except AssertionError:  # a batch's provenance named other rows: a failure, not a refusal
+        raise
     except Exception as exc:
         return ("refused", type(exc), bool(got))
     finally:
@@ -332,11 +340,11 @@ def rank_outcome(cfg, epochs, holding):
     return ("ok", got)
 
 
-def _epochs(loader, epochs):
+def _epochs(loader, epochs, cfg):
     out = []
     for epoch in range(epochs):
         loader.set_epoch(epoch)
-        out.append([seen(loader, b) for b in loader])
+        out.append([seen(loader, b, cfg) for b in loader])
     return out
 
 

@@ -14,6 +14,7 @@ In the order data flows through them:
 * ``counts``: an epoch's batch counts from declared or known sizes;
 * ``starts``: where each pass starts (a loaded state, the last pass's carry, an epoch's samples);
 * ``epoch``: one pass, composing the stages' positions into a state after every batch;
+* ``provenance``: where each row of a delivered batch came from (``provenance=True``);
 * ``state``: resume states, encoded, checksummed and checked;
 * ``contracts``: the Protocols between the stages.
 """

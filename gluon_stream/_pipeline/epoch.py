@@ -29,6 +29,7 @@ from .batching import Batch, BatchPlanner, MixedUnit, Position, Segment, WindowM
 from .contracts import BatchPath
 from .feed import Carry, MixedData, UnitFeed, UnitSources, WindowFeed
 from .keys import EMPTY_PASSES
+from .provenance import ProvenanceTracker
 from .state import LoaderState, check_segment_key
 
 __all__ = ["EpochPass", "EvenBatches", "PassSettings"]
@@ -170,6 +171,7 @@ class EpochPass:
         self.pad = 0  # padding rows of the batch yielded last
         self._full_sizes: dict[int, int] = {}  # shard position -> samples, for the lead
         self.names: tuple[str, ...] | None = None  # the arrays' names, once a batch is made
+        self.origins: ProvenanceTracker | None = None  # provenance=True: set by the loader
 
     @property
     def epoch(self) -> int:
@@ -339,6 +341,8 @@ class EpochPass:
             if pad:
                 batch = pad_rows(batch, settings.batch_size)
             clock.arrived(planned)
+            if self.origins is not None:  # provenance: before its units may be let go of
+                self.origins.delivered(planned.segments, pad)
             record.batches += 1
             record.samples += planned.size
             stream.stats.add_delivered(carry.sources.count(planned.segments))
@@ -379,6 +383,8 @@ class EpochPass:
         pad = self.even.padding(final) if self.even is not None else 0
         if pad:
             batch = pad_rows(batch, self.settings.batch_size)
+        if self.origins is not None:
+            self.origins.delivered(final.segments, pad)
         record.batches += 1
         record.samples += final.size
         self.stream.stats.add_delivered(carry.sources.count(final.segments))
@@ -491,7 +497,11 @@ class EpochPass:
         missing = count - delivered
         data = even.repeat_data
         if data is None and even.repeat:  # resumed while repeating: make that batch again
-            chunks = self._rebuild(even.repeat, self.start.skipped)
+            chunks = self._rebuild(even.repeat, self.start.skipped,
+                                   self.carry.sources if self.carry is not None else None)
+            if self.origins is not None:
+                self.origins.delivered(even.repeat, self.settings.batch_size
+                                       - sum(s.size for s in even.repeat))
             data = self.path.join(chunks, batch_seed(self.stream.seed, run.epoch,
                                                      even.repeat_number))
             if self.settings.ctx is not None:
@@ -499,6 +509,8 @@ class EpochPass:
             data = pad_rows(data, self.settings.batch_size)
         if data is None:  # no batch of its own (dealt nothing): rows of another shard
             data = self._borrow(run, count)
+        elif self.origins is not None:
+            self.origins.repeated()  # the last batch again, all of it padding
         if not even.pad:
             logger.warning("epoch %d: part %d of %d is %d batch(es) short of the %d every part "
                            "yields (even_batches=True; %d shard(s) skipped); repeating its last "
@@ -542,6 +554,8 @@ class EpochPass:
                                       batch_seed(stream.seed, run.epoch, count))
                 if self.settings.ctx is not None:
                     data = mx_arrays.place(data, self.settings.ctx)
+                if self.origins is not None:
+                    self.origins.borrowed(shard, rows, bs)
                 logger.info("epoch %d: part %d of %d has no batch of its own; it yields %d "
                             "batch(es) of rows of shard %r (even_batches=%r) to keep the "
                             "ranks' step counts equal", run.epoch, stream.part_index,
@@ -558,6 +572,7 @@ class EpochPass:
     def _rebuild_carry(self, segments: Sequence[Segment],
                        skipped: Sequence[tuple[int, int]]) -> Carry:
         carry = Carry()
+        carry.sources.origins = self.origins  # provenance: the carried units' origins too
         for seg, chunk in zip(segments, self._rebuild(segments, skipped, carry.sources)):
             carry.add(seg, chunk)
         return carry

@@ -23,6 +23,7 @@ from ..errors import LoaderClosed, StreamError
 from ..records import EpochRecord
 from ..stream import EpochRun, Shard
 from .batching import Batch, BatchPlanner, MixedUnit, Position, Segment, UnitPlan, WindowMixer
+from .provenance import ProvenanceTracker
 
 __all__ = ["Carry", "EMPTY_SHARDS", "FeedState", "MixedData", "UnitFeed", "UnitSources",
            "WindowFeed"]
@@ -68,13 +69,18 @@ class UnitSources:
     def __init__(self) -> None:
         # a unit's source name, or (the shard position of each row, {position: source name})
         self._units: dict[tuple[int, int], Any] = {}
+        self.origins: ProvenanceTracker | None = None  # provenance=True: told the same units
 
     def shard(self, epoch: int, unit: int, shard: Shard) -> None:
+        if self.origins is not None:
+            self.origins.shard(epoch, unit, shard)
         name = _source(shard)
         if name is not None:
             self._units[(epoch, unit)] = name
 
     def mixed(self, epoch: int, data: "MixedData") -> None:
+        if self.origins is not None:
+            self.origins.mixed(epoch, data.unit, data.shards)
         names = {j: _source(shard) for j, shard in data.shards.items()}
         if any(name is not None for name in names.values()):
             self._units[(epoch, data.index)] = (data.unit.shards, names)
@@ -96,6 +102,8 @@ class UnitSources:
 
     def forget_before(self, position: Position) -> None:
         """No batch reads units before ``position``'s unit or its carried segments any more."""
+        if self.origins is not None:
+            self.origins.forget_before(position)
         first = min([(position.epoch, position.unit)]
                     + [(s.epoch, s.unit) for s in position.carry])
         for unit in [u for u in self._units if u < first]:

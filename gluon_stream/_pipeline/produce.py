@@ -22,6 +22,7 @@ from ..records import ShardRecord
 from .admission import Admission, MemoryGate
 from .offsets import Deferred
 from .producers import ProducerPool
+from .provenance import ShardOrigin
 from .reservations import ShardReservations, copy_bytes
 from .shard import Owned, Prepare, Shard
 
@@ -77,6 +78,7 @@ class Producer:
         #: the stream's check (closed, or used from another process than its owner's)
         self.check_open = check_open
         self.tuner = tuner
+        self.keep_origins = False  # provenance=True: each shard keeps its ShardOrigin
 
     @property
     def closed(self) -> bool:
@@ -338,6 +340,8 @@ class Producer:
         shard = Shard(key, epoch, index, arrays, names=names, full_size=full_size,
                       rows=int(arrays[0].shape[0]), schema=schema_of(arrays),
                       source_nbytes=source_nbytes)
+        if self.keep_origins:  # provenance: the raw row of each row read
+            shard.origin = ShardOrigin(key, made, order)
         t2 = clock()
         gen_end = t0 + raw.generate_s
         load_end = gen_end + raw.load_s

@@ -63,6 +63,9 @@ class Shard:
     #: its memory admitted against ``memory_budget`` (a ``_pipeline.admission.Admission``),
     #: given back when the shard is freed; None without a budget
     admission: Any = field(repr=False, default=None)
+    #: provenance=True: its key, made-for epoch and raw row of each row read
+    #: (a ``_pipeline.provenance.ShardOrigin``); None otherwise
+    origin: Any = field(repr=False, default=None)
 
     def __len__(self) -> int:
         return self.rows if self.rows >= 0 else int(self.arrays[0].shape[0])

@@ -47,7 +47,8 @@ mixes for windows of 1, 2, 4 and 8. ``features``: what ``even_batches='pad'``,
 ``samples_per_epoch`` and ``MixSource`` cost in speed, and a saved state and ``diagnose()`` in
 milliseconds (see :mod:`.features`). ``tuning``: ``memory_budget`` alone (1 GiB) against a grid
 of hand-picked ``prefetch``/``producers``/``num_workers`` per workload, and a tight budget's
-peak memory and cost (see :mod:`.tuning`).
+peak memory and cost (see :mod:`.tuning`). ``provenance``: microseconds per batch with
+``provenance=True`` (read every batch or not) against without (see :mod:`.provenance`).
 
 ``one-row``: ``--one-row-keys`` shards of one row each (default 3000) through
 ``StreamLoader(batch_size=32, last_batch='keep')`` beside a plain loop that calls the same
@@ -83,6 +84,7 @@ from .pipeline import (
     run_pipeline_scenario,
 )
 from .placement import run_placement_scenario
+from .provenance import run_provenance_scenario
 from .reference import reference_rate
 from .report import format_results, targets
 from .stragglers import (
@@ -106,7 +108,8 @@ __all__ = ["BenchConfig", "GrowthSizes", "PERSAMPLE_CONTENDERS", "PIPELINE_CONTE
 logger = logging.getLogger(__name__)
 
 SCENARIOS = (*PIPELINE_SCENARIOS, "throughput", "per-sample", "placement", "memory", "stragglers",
-             "window-epochs", "features", "tuning", "one-row", "growth")
+             "window-epochs", "features", "tuning", "one-row", "growth",
+             "provenance")
 
 
 @dataclass(frozen=True)
@@ -201,6 +204,10 @@ def run_bench(config: BenchConfig) -> dict:
             results[scenario] = run_one_row_scenario(config.rounds, keys=config.one_row_keys)
         elif scenario == "growth":
             results[scenario] = run_growth_scenario(config.rounds, config.growth)
+        elif scenario == "provenance":
+            # 16 shards of a fifth of --throughput-samples rows each (default 4000)
+            results[scenario] = run_provenance_scenario(
+                config.rounds, seed=base.seed, rows=max(64, config.throughput_samples // 5))
         else:
             raise ValueError(f"unknown bench scenario {scenario!r}; choose from "
                              f"{', '.join(SCENARIOS)}")

@@ -7,6 +7,7 @@ from .features import features_lines
 from .growth import growth_lines
 from .onerow import one_row_lines
 from .pipeline import PIPELINE_SCENARIOS
+from .provenance import provenance_lines
 from .tuning import tuning_lines
 
 __all__ = ["DIAGNOSED", "UNBOUNDED", "fmt", "format_results", "targets"]
@@ -219,6 +220,7 @@ def format_results(results: dict) -> str:
     lines.extend(tuning_lines(results.get("tuning")))
     lines.extend(one_row_lines(results.get("one-row")))
     lines.extend(growth_lines(results.get("growth")))
+    lines.extend(provenance_lines(results.get("provenance")))
     targets = results.get("targets")
     if targets:
         lines.append("\ntargets:")
