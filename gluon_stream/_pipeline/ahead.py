@@ -6,14 +6,62 @@ from __future__ import annotations
 import concurrent.futures as cf
 import functools
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Collection
+from typing import Any, Callable, Collection, Protocol
 
 from .cursor import KeyCursor
 
-if TYPE_CHECKING:
-    from .run import EpochRun
+__all__ = ["AheadOf", "GenerationsAhead"]
 
-__all__ = ["GenerationsAhead"]
+
+class _Generating(Protocol):
+    """What generations ahead use of their pass's stream."""
+
+    @property
+    def generate_ahead(self) -> int: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def next_run(self) -> Any: ...
+
+    @property
+    def dealer(self) -> Any: ...  # made_epoch(epoch, index): the epoch a shard is made for
+
+    @property
+    def producer(self) -> Any: ...  # submit_generation(key, epoch, index, run) -> Future
+
+    def idle_producers(self) -> int: ...
+
+
+class AheadOf(Protocol):
+    """What :class:`GenerationsAhead` reads of its pass (an
+    :class:`~gluon_stream._pipeline.run.EpochRun`)."""
+
+    @property
+    def stream(self) -> _Generating: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def cancelled(self) -> bool: ...
+
+    @property
+    def keys(self) -> KeyCursor: ...  # the pass's keys: generations ahead look past its window
+
+    @property
+    def preskipped(self) -> Collection[int]: ...  # positions never made (failed before)
+
+    @property
+    def lock(self) -> Any: ...  # held while a generation is started
+
+    @property
+    def ahead(self) -> GenerationsAhead: ...
+
+    def queued(self) -> int: ...
+
+    def next_epoch_run(self, doing: str) -> Any: ...
 
 
 class GenerationsAhead:
@@ -89,7 +137,7 @@ class GenerationsAhead:
             fut.cancel()
         self._futures.clear()
 
-    def go_on(self, run: EpochRun, fut: Any = None) -> None:
+    def go_on(self, run: AheadOf, fut: Any = None) -> None:
         """Keep idle producers generating ``run``'s shards after its window into the cache:
         called when the window is filled and whenever a producer finishes (``fut``: the
         generation that did, if it was one)."""
@@ -101,7 +149,7 @@ class GenerationsAhead:
         with run.lock:
             self.start(run)
 
-    def start(self, run: EpochRun, busy: int = 0) -> None:
+    def start(self, run: AheadOf, busy: int = 0) -> None:
         """Submit one generation ahead for ``run`` if a producer is idle (``busy``: shards an
         earlier pass has queued, which come first). Once every key of the pass is made or
         under way, the next epoch's first shards are generated into the cache (disk, not

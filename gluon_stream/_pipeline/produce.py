@@ -11,7 +11,7 @@ import concurrent.futures as cf
 import contextlib
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -20,21 +20,39 @@ from .._utils.retry import ErrorPolicy
 from ..errors import LoaderClosed, SchemaMismatch, add_note
 from ..records import ShardRecord
 from .admission import Admission, MemoryGate
-from .offsets import Deferred
+from .ahead import GenerationsAhead
+from .offsets import Deferred, RowOffsets
 from .producers import ProducerPool
 from .provenance import ShardOrigin
 from .reservations import ShardReservations, copy_bytes
 from .shard import Owned, Prepare, Shard
 
+
+class PassOf(Protocol):
+    """What a producer reads of the pass it makes a shard for (an
+    :class:`~gluon_stream._pipeline.run.EpochRun`)."""
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def cancelled(self) -> bool: ...
+
+    @property
+    def offsets(self) -> RowOffsets | None: ...  # deal='balanced': the rows before each shard
+
+    @property
+    def ahead(self) -> GenerationsAhead: ...  # its generations ahead, and work waiting
+
+
 if TYPE_CHECKING:
     from ..sources import RawShard, Source
     from ..stats import Stats
     from .deal import KeyDealer
-    from .run import EpochRun
     from .sizes import ShardSizes
     from .tuning import Tuner
 
-__all__ = ["Producer", "schema_of"]
+__all__ = ["PassOf", "Producer", "schema_of"]
 
 # the stream's logger: its per-shard lines are filtered by this name (docs/memory-budget.md)
 logger = logging.getLogger("gluon_stream.stream")
@@ -160,7 +178,7 @@ class Producer:
         self.check_open()
         return self._make(key, epoch, index, None, prepare, whole, before)
 
-    def submit_shard(self, key: Any, epoch: int, index: int, run: EpochRun,
+    def submit_shard(self, key: Any, epoch: int, index: int, run: PassOf,
                      prepare: Prepare | None) -> cf.Future:
         """Produce shard ``key`` at position ``index`` of ``epoch`` for ``run`` in a producer
         thread: a future of the :class:`Shard`. With a ``memory_budget`` its admission opens
@@ -179,13 +197,13 @@ class Producer:
         return self.gate.open((epoch, index), f"shard {key!r} (epoch {epoch})",
                               self.transform is not None)
 
-    def submit_generation(self, key: Any, epoch: int, index: int, run: EpochRun) -> cf.Future:
+    def submit_generation(self, key: Any, epoch: int, index: int, run: PassOf) -> cf.Future:
         """Generate shard ``key`` of ``epoch`` (at position ``index`` of ``run``'s pass) into
         the cache for ``run`` in a producer thread (it waits there for its turn in the window):
         a future of the seconds it took."""
         return self._res.executor.submit(self._generate, key, epoch, index, run)
 
-    def _produce(self, key: Any, epoch: int, index: int, run: "EpochRun | None",
+    def _produce(self, key: Any, epoch: int, index: int, run: PassOf | None,
                  prepare: Prepare | None, adm: Admission | None = None) -> Shard:
         """Runs in a producer thread: generate/load, transform, shuffle, prepare. A failure
         gives its admission back here: the submitter may never have had the future (a Ctrl-C
@@ -211,7 +229,7 @@ class Producer:
             shard.record.cache_hit = False
         return shard
 
-    def _generate(self, key: Any, epoch: int, index: int, run: "EpochRun") -> float:
+    def _generate(self, key: Any, epoch: int, index: int, run: PassOf) -> float:
         """Runs in a producer thread: make a shard in the cache without loading it (it waits
         there, on disk, for its turn in the ``prefetch`` window); the seconds it took, or 0
         when it was cached already."""
@@ -227,7 +245,7 @@ class Producer:
             return seconds
 
     @contextlib.contextmanager
-    def _placed(self, run: EpochRun, index: int, ahead: bool = False) -> Iterator[float]:
+    def _placed(self, run: PassOf, index: int, ahead: bool = False) -> Iterator[float]:
         """A producer's place for ``run``'s work on shard ``index``, held for the block: a
         generation ahead (``ahead``), or a shard of the window, which first waits for its
         generation ahead if one runs (the block gets its seconds). Places go in the order the
@@ -248,7 +266,7 @@ class Producer:
         finally:
             self._res.throttle.give()
 
-    def _make(self, key: Any, epoch: int, index: int, run: "EpochRun | None",
+    def _make(self, key: Any, epoch: int, index: int, run: PassOf | None,
               prepare: Prepare | None, whole: bool = False, before: int | None = None,
               adm: Admission | None = None) -> Shard:
         """Make one shard, its memory admitted against ``memory_budget`` part by part before
@@ -283,7 +301,7 @@ class Producer:
             weakref.finalize(getattr(shard.arrays, "memory_owner", shard), adm.release)
         return shard
 
-    def _admitted(self, key: Any, epoch: int, index: int, run: "EpochRun | None",
+    def _admitted(self, key: Any, epoch: int, index: int, run: PassOf | None,
                   prepare: Prepare | None, whole: bool, before: int | None,
                   gate: ShardReservations) -> Shard:
         lane = self._res.throttle.lane()
@@ -352,7 +370,7 @@ class Producer:
                                    raw.load_s, t2 - t1, lane, source=raw.source, nbytes=nbytes)
         return shard
 
-    def _rows_before(self, run: "EpochRun", index: int, full_size: int) -> int:
+    def _rows_before(self, run: PassOf, index: int, full_size: int) -> int:
         """``deal='balanced'``: tell the run this shard's size and wait for the rows before
         it, letting another producer work meanwhile (the shard it waits for may need one)."""
         assert run.offsets is not None
