@@ -155,6 +155,15 @@ class StreamLoader(Closing):
             being trained on plus one more raises :class:`~gluon_stream.MemoryBudgetTooSmall` before
             the first batch of the shard that shows it. Batches are the same whatever the tuner
             picks. See the performance guide.
+        context_rows: ``transform`` receives the last ``context_rows`` raw rows before the
+            shard's key, in the source's key order (before any shuffle or deal), followed by
+            the shard's own rows, from as many previous keys as needed: windows span the
+            shards' boundaries, and the key list yields the windows one long series would. The
+            first key gets none; every other key the same rows whichever rank, shuffle or
+            resume reads it. Needs a ``transform`` and a key list; give a ``cache_dir`` (a
+            producer re-reads the previous keys' shards). See the time-series guide.
+        context_break: ``fn(previous_key, key) -> bool``: True where context must not flow
+            (a gap in the dates, a new episode): the series starts afresh at ``key``.
 
     Example:
         >>> import numpy as np
@@ -195,7 +204,8 @@ class StreamLoader(Closing):
                  num_epochs: int | None = None,
                  ctx: Any = None, shards_on_ctx: bool = False,
                  samples_per_epoch: int | None = None,
-                 memory_budget: int | str | None = None) -> None:
+                 memory_budget: int | str | None = None, context_rows: int = 0,
+                 context_break: Callable[[Any, Any], bool] | None = None) -> None:
         import_mxnet()
         named = self._named
         self.batch_size = _validate.integer("batch_size", batch_size, minimum=1)
@@ -211,7 +221,8 @@ class StreamLoader(Closing):
             ("prefetch", prefetch), ("producers", producers), ("on_error", on_error),
             ("schema", schema), ("stats", stats), ("num_parts", num_parts),
             ("part_index", part_index), ("kvstore", kvstore), ("shard_sizes", shard_sizes),
-            ("num_epochs", num_epochs), ("memory_budget", memory_budget))
+            ("num_epochs", num_epochs), ("memory_budget", memory_budget),
+            ("context_rows", context_rows), ("context_break", context_break))
             if name in named}
         stream, owns = _stream_of(source, given, even_batches, samples_per_epoch,
                                    self.batch_size)

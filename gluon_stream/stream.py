@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from ._pipeline.admission import Admission, MemoryGate
+from ._pipeline.context import ContextBreak, context_rows_of
 from ._pipeline.keys import KeyTape, part_endless, part_keys
 from ._pipeline.offsets import Deferred
 from ._pipeline.producers import ProducerPool, Throttle
@@ -124,6 +125,15 @@ class ShardStream(Closing):
             with its reason and kept in :attr:`Stats.tuning`; a budget that cannot hold the
             least settings raises :class:`~gluon_stream.MemoryBudgetTooSmall` naming what it
             counts (see :mod:`gluon_stream._pipeline.tuning` and the memory-budget guide).
+        context_rows: ``transform`` receives the last ``context_rows`` raw rows before the
+            shard's key, in the source's key order (its key list for the epoch, before any
+            shuffle or deal), followed by the shard's own rows (each raw array alike), so that
+            windows span the keys' boundaries; rows come from as many previous keys as needed.
+            The first key of the list gets none. A producer makes the previous keys' shards
+            itself (a cache hit with a ``cache_dir``: give one, or they are made again). See
+            :mod:`gluon_stream._pipeline.context` and the time-series guide.
+        context_break: ``fn(previous_key, key) -> bool``: True where context must not flow
+            (a gap in the dates, a new episode): the series starts afresh at ``key``.
 
     Example:
         >>> from gluon_stream import FunctionSource
@@ -142,7 +152,8 @@ class ShardStream(Closing):
                  shard_sizes: Mapping[Any, int] | Callable[[Any], int] | int | None = None,
                  num_epochs: int | None = None, deal: str = "shards",
                  generate_ahead: int | str = "auto",
-                 memory_budget: int | str | None = None) -> None:
+                 memory_budget: int | str | None = None, context_rows: int = 0,
+                 context_break: ContextBreak | None = None) -> None:
         if not isinstance(source, Source):
             raise TypeError(f"source must be a CommandSource, FunctionSource or FileSource, got "
                             f"{type(source).__name__}")
@@ -171,6 +182,8 @@ class ShardStream(Closing):
         _validate.callable_or_none("transform", transform)
         self.source = source
         self.transform = transform
+        #: context_rows: the previous keys' last rows put before a shard's (None: no context)
+        self.context = context_rows_of(context_rows, context_break, source, transform)
         self.prefetch = prefetch
         self.shuffle = bool(shuffle)
         self.num_parts, self.part_index = resolve_parts(num_parts, part_index, kvstore=kvstore)
@@ -692,6 +705,9 @@ class ShardStream(Closing):
         if peek is not None:  # it was made (or found) by the peek
             raw.cache_hit, raw.generate_s = peek[1], raw.generate_s + peek[2]
         gate.made("raw", raw.arrays)
+        if self.context is not None:  # the previous keys' last raw rows, before this shard's
+            self.context.extend(raw, made, self._produce_raw, gate,
+                                lambda: self.closed or (run is not None and run.cancelled))
         t1 = clock()
         arrays = raw.arrays
         owned = raw.owned and self.transform is None  # a transform's output is user code's
@@ -741,6 +757,12 @@ class ShardStream(Closing):
         shard.record = ShardRecord(key, epoch, len(shard), raw.cache_hit, raw.generate_s,
                                    raw.load_s, t2 - t1, lane, source=raw.source, nbytes=nbytes)
         return shard
+
+    def _produce_raw(self, key: Any, epoch: int) -> RawShard:
+        """A shard's raw arrays, made as a producer makes them (the context of another)."""
+        if self._remote is None:
+            return self.source.produce(key, epoch)
+        return self.source.produce(key, epoch, executor=self._remote)
 
     def _rows_before(self, run: "EpochRun", index: int, full_size: int) -> int:
         """``deal='balanced'``: tell the run this shard's size and wait for the rows before
