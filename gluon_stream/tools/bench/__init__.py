@@ -47,7 +47,9 @@ mixes for windows of 1, 2, 4 and 8. ``features``: what ``even_batches='pad'``,
 ``samples_per_epoch`` and ``MixSource`` cost in speed, and a saved state and ``diagnose()`` in
 milliseconds (see :mod:`.features`). ``tuning``: ``memory_budget`` alone (1 GiB) against a grid
 of hand-picked ``prefetch``/``producers``/``num_workers`` per workload, and a tight budget's
-peak memory and cost (see :mod:`.tuning`).
+peak memory and cost (see :mod:`.tuning`). ``timeseries``: ``context_rows`` (windows across
+the shards' boundaries) against the same shards windowed alone, from memory and from a
+``cache_dir`` (see :mod:`.timeseries`).
 
 Every run first records the machine's single-process reference rate (see :mod:`.reference`),
 printed above the tables and stored as ``reference``, so runs on different days compare.
@@ -81,6 +83,7 @@ from .stragglers import (
     stragglers_workload,
 )
 from .throughput import THROUGHPUT_CONTENDERS, THROUGHPUT_SHAPES, mixing, run_throughput_scenario
+from .timeseries import run_timeseries_scenario
 from .tuning import run_tuning_scenario
 from .window_epochs import WINDOW_EPOCHS, WINDOW_EPOCHS_CONTENDERS, run_window_epochs_scenario
 from .workload import Workload, ideal_time, wave_bound
@@ -95,7 +98,7 @@ __all__ = ["BenchConfig", "PERSAMPLE_CONTENDERS", "PIPELINE_CONTENDERS", "PIPELI
 logger = logging.getLogger(__name__)
 
 SCENARIOS = (*PIPELINE_SCENARIOS, "throughput", "per-sample", "placement", "memory", "stragglers",
-             "window-epochs", "features", "tuning")
+             "window-epochs", "features", "tuning", "timeseries")
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,8 @@ def run_bench(config: BenchConfig) -> dict:
                 dates=min(config.stragglers_dates, 10))
             results[scenario] = run_tuning_scenario(workloads, config.rounds,
                                                     config.persample_images, seed=base.seed)
+        elif scenario == "timeseries":
+            results[scenario] = run_timeseries_scenario(config.rounds, seed=base.seed)
         else:
             raise ValueError(f"unknown bench scenario {scenario!r}; choose from "
                              f"{', '.join(SCENARIOS)}")

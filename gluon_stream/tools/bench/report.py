@@ -5,6 +5,7 @@ from ..._utils.validate import every_nth
 from ...diagnosis import Diagnosis
 from .features import features_lines
 from .pipeline import PIPELINE_SCENARIOS
+from .timeseries import timeseries_lines
 from .tuning import tuning_lines
 
 __all__ = ["DIAGNOSED", "UNBOUNDED", "fmt", "format_results", "targets"]
@@ -211,6 +212,7 @@ def format_results(results: dict) -> str:
     lines.extend(_window_epochs_lines(results.get("window-epochs")))
     lines.extend(features_lines(results.get("features")))
     lines.extend(tuning_lines(results.get("tuning")))
+    lines.extend(timeseries_lines(results.get("timeseries")))
     targets = results.get("targets")
     if targets:
         lines.append("\ntargets:")
