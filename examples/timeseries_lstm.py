@@ -8,10 +8,11 @@ whether input 0 goes up). With ``context_rows=time_steps`` (the default here) th
 date also receives the last ``time_steps`` rows of the dates before it, so windows span the
 dates' boundaries: the dates yield exactly the windows one long series would (each epoch says how
 many it gained), and a window may be longer than a date (``--time-steps`` above ``--rows``). A
-gap in the dates starts the series afresh (``context_break``). An LSTM with one output per label trains on the batches while the next
-dates are generated. Each epoch ends with an exact validation pass over two held-out dates:
-``even_batches='pad'`` gives every rank the same number of full batches, and ``loader.pad``
-says how many rows at the end of a batch are padding, so each sample counts once.
+gap in the dates starts the series afresh (``context_break``). An LSTM with one output per label
+trains on the batches while the next dates are generated. Each epoch ends with an exact
+validation pass over two held-out dates: ``even_batches='pad'`` gives every rank the same number
+of full batches, and ``loader.pad`` says how many rows at the end of a batch are padding, so
+each sample counts once.
 
     python examples/timeseries_lstm.py                 # 8 dates, 2 epochs
     python examples/timeseries_lstm.py --tiny          # seconds, for CI
@@ -67,14 +68,16 @@ def date_gap(previous: str, date: str) -> bool:
     return days != 1
 
 
-def validate(net: gluon.Block, source: gs.Source, args: argparse.Namespace) -> tuple[float, int]:
+def validate(net: gluon.Block, source: gs.Source, args: argparse.Namespace,
+             context: int) -> tuple[float, int]:
     """Exact mean squared error of the next-value heads on ``source``'s dates. On several
     ranks add ``num_parts='auto', part_index='auto'`` (read from the kvstore or the launcher):
     every rank then runs as many batches, and summing ``err`` and ``count`` over the ranks
     counts each sample once."""
     err, count = 0.0, 0
     with gs.StreamLoader(source, batch_size=args.batch_size, even_batches="pad",
-                         transform=lambda raw: make_samples(raw, args.time_steps)) as val:
+                         transform=lambda raw: make_samples(raw, args.time_steps),
+                         context_rows=context) as val:  # the held-out dates as one series
         for x, next0, next1, _ in val:
             real = x.shape[0] - val.pad  # the rows after these are padding
             out = net(x)[:real]
@@ -140,7 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     seen += x.shape[0]
                 wall = time.perf_counter() - t0
                 mse, count = validate(net, gs.CommandSource(held_out, command, cache_dir=cache_dir,
-                                                            timeout=120, retries=1), args)
+                                                            timeout=120, retries=1), args,
+                                      context)
                 made = sum(r.samples for r in loader.stats.shards if r.epoch == epoch)
                 print(f"epoch {epoch}: {made} windows made ({made - alone:+d} against each date "
                       f"windowed alone), {seen} trained, loss {total / max(seen, 1):.4f}, "

@@ -40,8 +40,9 @@ def test_timeseries_lstm_trains_two_epochs_on_generated_dates(tmp_path):
     assert all("442 windows made (+16 against each date windowed alone)" in line
                for line in epochs)
     assert "416 trained" in epochs[0] and "448 trained" in epochs[1]
-    # exact validation (even_batches='pad'): 2 held-out dates x 142 windows, each counted once
-    assert all("validation MSE" in line and line.endswith("over 284") for line in epochs)
+    # exact validation (even_batches='pad'): 2 held-out dates x 150 rows - 8 steps windows (one
+    # series), each counted once
+    assert all("validation MSE" in line and line.endswith("over 292") for line in epochs)
     # epoch 1 reuses the cache (and a date read first as another's context is a hit too)
     assert re.search(r"shards: 6 produced \([34] cache hits\)", out[-1]), out[-1]
     assert os.listdir(tmp_path) == []  # its temporary cache is gone
