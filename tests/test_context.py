@@ -300,3 +300,20 @@ def test_a_failing_previous_key_fails_the_key_that_needs_it():
                         context_rows=2) as stream:
         with pytest.raises(gs.ShardError, match=r"shard 3 .* needs shard 2, which failed"):
             stream.produce_now(3, 0)
+
+
+def test_the_break_rule_is_asked_only_as_far_back_as_the_rows_need():
+    """A key's context reads back only the keys it needs: a long key list costs each key a
+    few calls, not one per key before it."""
+    calls = []
+
+    def never(prev, key):
+        calls.append((prev, key))
+        return False
+
+    keys = 200
+    with gs.StreamLoader(series_source([2] * keys), batch_size=50, transform=windows_of(4),
+                         context_rows=3, context_break=never) as loader:
+        got = sorted(r for b in loader for r in rows_of(b))
+    assert got == series_windows([range(2 * keys)], 4)
+    assert len(calls) <= 2 * keys and all(key == prev + 1 for prev, key in calls)

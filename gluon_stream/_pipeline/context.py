@@ -20,9 +20,10 @@ they are allocated (the ``'context'`` part of a shard's admission).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 
 import numpy as np
@@ -69,6 +70,7 @@ def context_rows_of(rows: int, context_break: ContextBreak | None, source: Sourc
     return ContextRows(rows, context_break, source)
 
 
+_NONE = object()  # no key before: no context
 _ENDLESS = ("context_rows needs a key list (a sequence, or keys(epoch) returning one): the "
             "context of a key is read from the keys before it in that list, and an endless "
             "iterator's keys cannot be looked up again")
@@ -88,9 +90,9 @@ class ContextRows:
         self._lock = threading.Lock()
         self._lists: dict[int, tuple[list, dict]] = {}  # epoch -> (keys, key -> position)
 
-    def keys_before(self, key: Any, epoch: int) -> list:
+    def keys_before(self, key: Any, epoch: int) -> Iterator[Any]:
         """The keys ``key``'s context may come from, nearest first, up to a break (or the
-        list's start); the rows needed decide how many of them are read.
+        list's start), drawn as they are read (the rows needed decide how many).
 
         Raises:
             ContextUnavailable: ``key`` is not in the epoch's key list, or the list is an
@@ -102,14 +104,15 @@ class ContextRows:
         except (KeyError, TypeError):
             raise ContextUnavailable(f"shard {key!r} is not in the key list of epoch {epoch}: "
                                      "its context (context_rows) cannot be placed") from None
-        before = []
-        later = key
+        return self._walk_back(keys, i)
+
+    def _walk_back(self, keys: list, i: int) -> Iterator[Any]:
+        later = keys[i]
         for j in range(i - 1, -1, -1):
             if self.context_break is not None and self.context_break(keys[j], later):
-                break
-            before.append(keys[j])
+                return
+            yield keys[j]
             later = keys[j]
-        return before
 
     def _key_list(self, epoch: int) -> tuple[list, dict]:
         with self._lock:
@@ -144,16 +147,17 @@ class ContextRows:
         a previous key's raw shard; ``stopped()`` ends the work (a cancelled pass)."""
         own = raw.arrays
         before = self.keys_before(raw.key, epoch)
-        if not before or not own:
+        first = next(before, _NONE)
+        if first is _NONE or not own:
             return
         out = self._allocate(own, gate)
         filled = 0
-        for prev in before:
-            if filled == self.rows:
-                break
+        for prev in itertools.chain([first], before):
             if stopped():
                 raise LoaderClosed("epoch pass cancelled")
             filled += self._copy_tail(raw, prev, epoch, produce, out, filled)
+            if filled == self.rows:  # before the next key is drawn (and the break rule asked)
+                break
         raw.arrays = tuple(o[self.rows - filled:] for o in out)
         gate.replaced("raw", raw.arrays)  # own rows and context, in one block per array
         gate.drop("context")
