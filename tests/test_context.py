@@ -287,9 +287,10 @@ def test_a_failing_previous_key_fails_the_key_that_needs_it():
         return np.arange(10 * key, 10 * key + 4, dtype=np.int64)
 
     source = gs.FunctionSource(list(range(5)), fn)
-    with gs.StreamLoader(source, batch_size=2, transform=windows_of(3), context_rows=2) as l:
+    with gs.StreamLoader(source, batch_size=2, transform=windows_of(3),
+                         context_rows=2) as loader:
         with pytest.raises(gs.StreamError, match="no data for key 2"):
-            list(l)
+            list(loader)
     source = gs.FunctionSource(list(range(5)), fn)
     with gs.StreamLoader(source, batch_size=2, transform=windows_of(3), context_rows=2,
                          on_error="skip") as loader:

@@ -25,7 +25,6 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-
 import numpy as np
 
 from .._utils import validate as _validate
