@@ -359,11 +359,14 @@ class StreamLoader(Closing):
     def _settings_saved(self) -> dict:
         """What decides the batches, stored in a state and checked on load."""
         stream = self.stream
-        return {"seed": stream.seed, "shuffle": stream.shuffle, "batch_size": self.batch_size,
-                "last_batch": self.last_batch, "num_parts": stream.num_parts,
-                "part_index": stream.part_index, "deal": stream.deal,
-                "shuffle_window": self.shuffle_window, "even_batches": self.even_batches,
-                "samples_per_epoch": self.samples_per_epoch}
+        settings = {"seed": stream.seed, "shuffle": stream.shuffle,
+                    "batch_size": self.batch_size, "last_batch": self.last_batch,
+                    "num_parts": stream.num_parts, "part_index": stream.part_index,
+                    "deal": stream.deal, "shuffle_window": self.shuffle_window,
+                    "even_batches": self.even_batches, "samples_per_epoch": self.samples_per_epoch}
+        if stream.context is not None:  # only then: states saved without context load as before
+            settings["context_rows"] = stream.context.rows
+        return settings
 
     def state_dict(self) -> dict:
         """Where the stream stands, as a small JSON-serialisable dict (take it between batches).

@@ -318,3 +318,26 @@ def test_the_break_rule_is_asked_only_as_far_back_as_the_rows_need():
         got = sorted(r for b in loader for r in rows_of(b))
     assert got == series_windows([range(2 * keys)], 4)
     assert len(calls) <= 2 * keys and all(key == prev + 1 for prev, key in calls)
+
+
+def test_a_state_saved_with_other_context_rows_is_refused():
+    """Another context_rows makes other samples of the same keys: the resume would repeat or
+    skip some. (A state saved without context loads as before.)"""
+    with loader_for(4, shuffle=True, seed=1) as loader:
+        it = iter(loader)
+        next(it)
+        state = loader.state_dict()
+        it.close()
+    with gs.StreamLoader(series_source(), batch_size=3, transform=windows_of(4),
+                         context_rows=5, shuffle=True, seed=1) as other:
+        with pytest.raises(gs.InvalidState, match="context_rows"):
+            other.load_state_dict(state)
+    with gs.StreamLoader(series_source(), batch_size=3, transform=windows_of(4),
+                         shuffle=True, seed=1) as plain:
+        it = iter(plain)
+        next(it)
+        saved = plain.state_dict()
+        it.close()
+    with loader_for(4, shuffle=True, seed=1) as loader:
+        with pytest.raises(gs.InvalidState, match="context_rows"):
+            loader.load_state_dict(saved)
