@@ -210,6 +210,8 @@ class ShardStream(Closing):
         #: what is known of the shards' sizes without producing them (len, even_batches)
         self.sizes = ShardSizes(source, transform, shard_sizes, self.deal, self.num_parts,
                                 self.part_index, self.epoch_keys, self.remainder_of)
+        # context_rows over keys(epoch): a key's context, so its size, may change per epoch
+        self.sizes.per_epoch = self.context is not None and not source.same_keys
         self._generate_auto = generate_ahead == "auto" and caches
         if generate_ahead == "auto":
             self.generate_ahead = self._auto_generate_ahead(prefetch) if caches else 0

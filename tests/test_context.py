@@ -341,3 +341,35 @@ def test_a_state_saved_with_other_context_rows_is_refused():
     with loader_for(4, shuffle=True, seed=1) as loader:
         with pytest.raises(gs.InvalidState, match="context_rows"):
             loader.load_state_dict(saved)
+
+
+def test_len_follows_a_key_list_that_changes_between_epochs():
+    """keys(epoch) in another order each epoch: a key's context, so its count of samples,
+    changes with it; len() counts each epoch's, not the sizes seen in the last one."""
+    sizes = [4, 1, 6, 2]
+
+    def keys(epoch):
+        return [(k + epoch) % 4 for k in range(4)]
+
+    def fn(key):
+        return np.arange(sizes[key], dtype=np.int64) + 100 * key
+
+    def runs(epoch):  # the series break where the keys wrap round (3 -> 0)
+        order = keys(epoch)
+        cut = order.index(0)
+        return [order[:cut], order[cut:]]
+
+    with gs.StreamLoader(gs.FunctionSource(keys, fn), batch_size=1, transform=windows_of(3),
+                         context_rows=2, context_break=lambda a, b: b != a + 1) as loader:
+        want = [sum(max(0, sum(sizes[k] for k in run) - 2) for run in runs(epoch))
+                for epoch in range(4)]
+        assert want[0] != want[1]
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            assert sum(1 for _ in loader) == want[epoch], f"epoch {epoch}"
+        for epoch in range(3):  # counted from the sizes seen in that epoch
+            loader.set_epoch(epoch)
+            assert len(loader) == want[epoch], f"len() of epoch {epoch}"
+        loader.set_epoch(3)  # not from another epoch's: unknown until seen, or declared
+        with pytest.raises(gs.SizeUnknown):
+            len(loader)
