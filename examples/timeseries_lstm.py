@@ -4,10 +4,15 @@ The motivating case of gluon_stream: for each date a generator program (here the
 ``gluon_stream.tools.generator``, standing in for your C++ tool) writes a raw ``(rows, num_inputs)``
 ``.npy`` file. A transform, run in a background thread, cuts it into sliding windows
 ``(n, time_steps, num_inputs)`` and three labels (the next value of inputs 0 and 1, and
-whether input 0 goes up). An LSTM with one output per label trains on the batches while the next
-dates are generated. Each epoch ends with an exact validation pass over two held-out dates:
-``even_batches='pad'`` gives every rank the same number of full batches, and ``loader.pad``
-says how many rows at the end of a batch are padding, so each sample counts once.
+whether input 0 goes up). With ``context_rows=time_steps`` (the default here) the transform of a
+date also receives the last ``time_steps`` rows of the dates before it, so windows span the
+dates' boundaries: the dates yield exactly the windows one long series would (each epoch says how
+many it gained), and a window may be longer than a date (``--time-steps`` above ``--rows``). A
+gap in the dates starts the series afresh (``context_break``). An LSTM with one output per label
+trains on the batches while the next dates are generated. Each epoch ends with an exact
+validation pass over two held-out dates: ``even_batches='pad'`` gives every rank the same number
+of full batches, and ``loader.pad`` says how many rows at the end of a batch are padding, so
+each sample counts once.
 With ``provenance=True`` the loader names each window's date and row, and each epoch prints
 the window with the largest loss (where to look when the loss spikes).
 
@@ -31,8 +36,13 @@ from gluon_stream.tools.generator import generator_command
 
 
 def make_samples(raw: np.ndarray, time_steps: int):
-    """Windows ``(n, time_steps, num_inputs)`` and three labels, from one raw shard."""
+    """Windows ``(n, time_steps, num_inputs)`` and three labels, from one raw shard (with
+    ``context_rows=time_steps``, the rows before it first: a window, and its label, for each of
+    the date's own rows)."""
     n = len(raw) - time_steps
+    if n <= 0:  # fewer rows than a window and its label (a first date shorter than a window)
+        return (np.zeros((0, time_steps, raw.shape[1]), raw.dtype),
+                *(np.zeros(0, np.float32) for _ in range(3)))
     windows = np.lib.stride_tricks.sliding_window_view(raw[:-1], time_steps, axis=0)
     windows = np.ascontiguousarray(windows.transpose(0, 2, 1))[:n]
     nxt = raw[time_steps:]
@@ -66,14 +76,22 @@ def worst_window(loader: gs.StreamLoader, loss: mx.nd.NDArray, worst: tuple | No
     return float(values[i]), origin.keys[i], int(origin.rows[i]), int(origin.epochs[i])
 
 
-def validate(net: gluon.Block, source: gs.Source, args: argparse.Namespace) -> tuple[float, int]:
+def date_gap(previous: str, date: str) -> bool:
+    """``context_break``: a series starts afresh after a missing date (no window spans it)."""
+    days = (datetime.date.fromisoformat(date) - datetime.date.fromisoformat(previous)).days
+    return days != 1
+
+
+def validate(net: gluon.Block, source: gs.Source, args: argparse.Namespace,
+             context: int) -> tuple[float, int]:
     """Exact mean squared error of the next-value heads on ``source``'s dates. On several
     ranks add ``num_parts='auto', part_index='auto'`` (read from the kvstore or the launcher):
     every rank then runs as many batches, and summing ``err`` and ``count`` over the ranks
     counts each sample once."""
     err, count = 0.0, 0
     with gs.StreamLoader(source, batch_size=args.batch_size, even_batches="pad",
-                         transform=lambda raw: make_samples(raw, args.time_steps)) as val:
+                         transform=lambda raw: make_samples(raw, args.time_steps),
+                         context_rows=context) as val:  # the held-out dates as one series
         for x, next0, next1, _ in val:
             real = x.shape[0] - val.pad  # the rows after these are padding
             out = net(x)[:real]
@@ -92,7 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="raw rows per date (default: 3000)")
     parser.add_argument("--inputs", type=int, default=8, help="input columns (default: 8)")
     parser.add_argument("--time-steps", type=int, default=24,
-                        help="window length, less than --rows (default: 24)")
+                        help="window length; with context it may exceed --rows (default: 24)")
+    parser.add_argument("--no-context", action="store_true",
+                        help="window each date alone (the windows across dates are lost)")
     parser.add_argument("--hidden", type=int, default=32, help="LSTM units (default: 32)")
     parser.add_argument("--epochs", type=int, default=2, help="epochs (default: 2)")
     parser.add_argument("--batch-size", type=int, default=128,
@@ -117,8 +137,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="timeseries_lstm_") as cache_dir:
         command = generator_command(args.rows, args.inputs, args.delay)
         source = gs.CommandSource(dates, command, cache_dir=cache_dir, timeout=120, retries=1)
+        context = 0 if args.no_context else args.time_steps  # a window and its label's rows
+        alone = len(dates) * max(0, args.rows - args.time_steps)  # each date windowed alone
         with gs.StreamLoader(source, batch_size=args.batch_size, shuffle=True, seed=0,
                              transform=lambda raw: make_samples(raw, args.time_steps),
+                             context_rows=context, context_break=date_gap if context else None,
                              last_batch="rollover", prefetch=2, producers=2,
                              provenance=True) as loader:
             for epoch in range(args.epochs):
@@ -137,8 +160,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     worst = worst_window(loader, loss, worst)
                 wall = time.perf_counter() - t0
                 mse, count = validate(net, gs.CommandSource(held_out, command, cache_dir=cache_dir,
-                                                            timeout=120, retries=1), args)
-                print(f"epoch {epoch}: {seen} windows, loss {total / max(seen, 1):.4f}, "
+                                                            timeout=120, retries=1), args,
+                                      context)
+                made = sum(r.samples for r in loader.stats.shards if r.epoch == epoch)
+                print(f"epoch {epoch}: {made} windows made ({made - alone:+d} against each date "
+                      f"windowed alone), {seen} trained, loss {total / max(seen, 1):.4f}, "
                       f"{seen / wall:,.0f} samples/s; validation MSE {mse:.4f} over {count}")
                 if worst is not None:
                     print(f"  largest loss {worst[0]:.3f}: date {worst[1]}, window {worst[2]} "

@@ -21,6 +21,7 @@ they resemble, so ``except ValueError`` or ``except TimeoutError`` keep working:
         CheckpointConflict(ValueError)  another checkpoint handler beside a StreamCheckpoint
         SizeUnknown(TypeError)          len() or even_batches needs a shard size not known yet
         MemoryBudgetTooSmall(MemoryError) memory_budget cannot hold the shards the loader needs
+        ContextUnavailable(ValueError)  context_rows cannot find a key's place in a key list
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ __all__ = [
     "CacheFull",
     "CheckpointConflict",
     "CommandNotFound",
+    "ContextUnavailable",
     "CorruptShard",
     "InvalidState",
     "LoaderClosed",
@@ -195,6 +197,11 @@ class CacheFull(ShardError):
 class InvalidState(StreamError, ValueError):
     """A ``load_state_dict`` state is malformed, or was saved by a loader with other settings,
     keys or epoch than this one: resuming from it would repeat or skip samples."""
+
+
+class ContextUnavailable(StreamError, ValueError):
+    """``context_rows`` cannot place a key in its epoch's key list: the keys are an endless
+    iterator, a key is listed twice, or a shard's key is not in the list."""
 
 
 class CheckpointConflict(StreamError, ValueError):

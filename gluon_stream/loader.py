@@ -162,6 +162,15 @@ class StreamLoader(Closing):
             which rows are padding. Off by default, and then it costs nothing; on, a few
             microseconds per batch and each shard's row order kept while it is read (see the
             troubleshooting of loss spikes in the batches guide).
+        context_rows: ``transform`` receives the last ``context_rows`` raw rows before the
+            shard's key, in the source's key order (before any shuffle or deal), followed by
+            the shard's own rows, from as many previous keys as needed: windows span the
+            shards' boundaries, and the key list yields the windows one long series would. The
+            first key gets none; every other key the same rows whichever rank, shuffle or
+            resume reads it. Needs a ``transform`` and a key list; give a ``cache_dir`` (a
+            producer re-reads the previous keys' shards). See the time-series guide.
+        context_break: ``fn(previous_key, key) -> bool``: True where context must not flow
+            (a gap in the dates, a new episode): the series starts afresh at ``key``.
 
     Example:
         >>> import numpy as np
@@ -202,7 +211,9 @@ class StreamLoader(Closing):
                  num_epochs: int | None = None,
                  ctx: Any = None, shards_on_ctx: bool = False,
                  samples_per_epoch: int | None = None,
-                 memory_budget: int | str | None = None, provenance: bool = False) -> None:
+                 memory_budget: int | str | None = None, provenance: bool = False,
+                 context_rows: int = 0,
+                 context_break: Callable[[Any, Any], bool] | None = None) -> None:
         import_mxnet()
         named = self._named
         self.batch_size = _validate.integer("batch_size", batch_size, minimum=1)
@@ -218,7 +229,8 @@ class StreamLoader(Closing):
             ("prefetch", prefetch), ("producers", producers), ("on_error", on_error),
             ("schema", schema), ("stats", stats), ("num_parts", num_parts),
             ("part_index", part_index), ("kvstore", kvstore), ("shard_sizes", shard_sizes),
-            ("num_epochs", num_epochs), ("memory_budget", memory_budget))
+            ("num_epochs", num_epochs), ("memory_budget", memory_budget),
+            ("context_rows", context_rows), ("context_break", context_break))
             if name in named}
         stream, owns = _stream_of(source, given, even_batches, samples_per_epoch,
                                    self.batch_size)
@@ -370,11 +382,15 @@ class StreamLoader(Closing):
     def _settings_saved(self) -> dict:
         """What decides the batches, stored in a state and checked on load."""
         stream = self.stream
-        return {"seed": stream.seed, "shuffle": stream.shuffle, "batch_size": self.batch_size,
-                "last_batch": self.last_batch, "num_parts": stream.num_parts,
-                "part_index": stream.part_index, "deal": stream.deal,
-                "shuffle_window": self.shuffle_window, "even_batches": self.even_batches,
-                "samples_per_epoch": self.samples_per_epoch}
+        settings = {"seed": stream.seed, "shuffle": stream.shuffle,
+                    "batch_size": self.batch_size, "last_batch": self.last_batch,
+                    "num_parts": stream.num_parts, "part_index": stream.part_index,
+                    "deal": stream.deal, "shuffle_window": self.shuffle_window,
+                    "even_batches": self.even_batches, "samples_per_epoch": self.samples_per_epoch}
+        context = stream.producer.context
+        if context is not None:  # only then: states saved without context load as before
+            settings["context_rows"] = context.rows
+        return settings
 
     def state_dict(self) -> dict:
         """Where the stream stands, as a small JSON-serialisable dict (take it between batches).

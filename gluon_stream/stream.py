@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from ._pipeline.admission import MemoryGate
+from ._pipeline.context import ContextBreak, context_rows_of
 from ._pipeline.deal import KeyDealer
 from ._pipeline.produce import Producer
 from ._pipeline.producers import ProducerPool, first_knobs
@@ -102,6 +103,9 @@ class ShardStream(Closing):
             given) are tuned live within it, each change logged at INFO and kept in
             :attr:`Stats.tuning`; too small a budget raises
             :class:`~gluon_stream.MemoryBudgetTooSmall` (see the memory-budget guide).
+        context_rows, context_break: The last ``context_rows`` raw rows of the keys before a
+            shard's, in key order, put before its own for ``transform`` (see
+            :class:`~gluon_stream.StreamLoader` and the time-series guide).
 
     Example:
         >>> from gluon_stream import FunctionSource
@@ -120,7 +124,8 @@ class ShardStream(Closing):
                  shard_sizes: Mapping[Any, int] | Callable[[Any], int] | int | None = None,
                  num_epochs: int | None = None, deal: str = "shards",
                  generate_ahead: int | str = "auto",
-                 memory_budget: int | str | None = None) -> None:
+                 memory_budget: int | str | None = None, context_rows: int = 0,
+                 context_break: ContextBreak | None = None) -> None:
         if not isinstance(source, Source):
             raise TypeError(f"source must be a CommandSource, FunctionSource or FileSource, got "
                             f"{type(source).__name__}")
@@ -136,6 +141,7 @@ class ShardStream(Closing):
         _validate.callable_or_none("transform", transform)
         self.source = source
         self.transform = transform
+        context = context_rows_of(context_rows, context_break, source, transform)
         self.prefetch = prefetch
         self.shuffle = bool(shuffle)
         self.num_parts, self.part_index = resolve_parts(num_parts, part_index, kvstore=kvstore)
@@ -152,6 +158,8 @@ class ShardStream(Closing):
         self.sizes = ShardSizes(source, transform, shard_sizes, self.deal, self.num_parts,
                                 self.part_index, self.dealer.epoch_keys, self.dealer.remainder_of)
         self.dealer.sizes = self.sizes
+        # context_rows over keys(epoch): a key's context, so its size, may change per epoch
+        self.sizes.per_epoch = context is not None and not source.same_keys
         self._generate_auto = generate_ahead == "auto" and caches
         self.generate_ahead = (self._auto_generate_ahead(prefetch) if self._generate_auto
                                else _fixed_generate_ahead(generate_ahead, caches))
@@ -167,7 +175,7 @@ class ShardStream(Closing):
         #: the production stage: shards made in the producer threads or the caller's
         self.producer = Producer(source, transform, self._res, self.gate, self.dealer,
                                  self.sizes, self.stats, self.error_policy, schema,
-                                 self._remote, self.check_open, self.tuner)
+                                 self._remote, self.check_open, self.tuner, context)
         self._finalizer = weakref.finalize(self, _close_all, self._res, self.gate)
         track(self, self._finalizer)
 

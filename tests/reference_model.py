@@ -33,6 +33,11 @@ of features and interruptions and compare the batches exactly:
 * **Keys.** A list (every epoch the same keys), a callable ``keys(epoch)`` or a MixSource (the
   epoch's key list; the test takes a mix's from the mix itself, whose own rules are tested
   apart), or an endless iterator (with ``samples_per_epoch``).
+* **Context** (``context_rows=C``, a key list). A shard's transform sees the last ``C`` raw
+  rows of the keys before it, in the key list's order, then its own: the keys' rows form one
+  long series. The test's transform makes one sample of every raw row with ``C`` rows before it
+  in the series, naming it and the row ``C`` back (:func:`with_context`): every rule above then
+  holds of those samples (the shards' sizes are their counts).
 * **Loss with even_batches=True.** An epoch leaves out at most
   ``parts * (batch_size - 1) + parts - 1`` samples (:func:`loss_bound`), sizes known or not:
   whole shards are dealt only where the worst deal of them keeps within it (every epoch the
@@ -52,7 +57,7 @@ of features and interruptions and compare the batches exactly:
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -91,6 +96,39 @@ class Config:
     sample_id: Callable[[Any, int], Any] = field(default=lambda key, row: 1000 * key + row)
     keys_of: Callable[[int], list] | None = None  # keys(epoch) (a callable, a MixSource)
     endless: bool = False  # the keys, cycled without end, as an iterator
+    context_rows: int = 0  # C: the raw rows before a key its transform sees (see with_context)
+
+
+#: with_context: a sample's id names its own row and, times this, the row C back (plus one)
+CONTEXT_SCALE = 10 ** 6
+
+
+def with_context(cfg: Config) -> Config:
+    """``context_rows=C``: the samples the transform makes from the key list as one series,
+    where ``cfg.sizes`` holds each key's raw rows and ``cfg.sample_id`` names a raw row.
+
+    The series is every key's raw rows in the key list's order; the raw row at position ``p``
+    with ``p >= C`` is a sample (a window of ``C + 1`` rows ending there), its id
+    ``id(p) + CONTEXT_SCALE * (1 + id(p - C))``. A key's shard holds its rows' samples, in
+    order: its size is how many of its rows have ``C`` rows before them in the series.
+    """
+    if not cfg.context_rows:
+        return cfg
+    series = [(key, row) for key in cfg.keys for row in range(cfg.sizes[key])]
+    first: dict = {}
+    for p, (key, row) in enumerate(series):
+        first.setdefault(key, p - row)
+    c, base = cfg.context_rows, cfg.sample_id
+
+    def skipped(key: Any) -> int:  # the key's first rows, without C rows before them
+        return max(0, c - first.get(key, 0))
+
+    def sample_id(key: Any, row: int) -> Any:
+        p = first[key] + skipped(key) + row
+        return base(key, p - first[key]) + CONTEXT_SCALE * (1 + base(*series[p - c]))
+
+    sizes = {key: max(0, n - skipped(key)) for key, n in cfg.sizes.items()}
+    return replace(cfg, sizes=sizes, sample_id=sample_id, context_rows=0)  # applied once
 
 
 def keys_for(cfg: Config, epoch: int) -> list:

@@ -89,6 +89,8 @@ def test_bench_runs_end_to_end_and_json_has_every_contender_and_figure(tmp_path,
                for c in features["contenders"].values())
     assert features["state_save_ms"] > 0 and features["diagnose_ms"] > 0
     assert "even_batches='pad'" in printed and "stats.diagnose()" in printed
+    assert set(results["timeseries"]["contenders"]) == {"alone", "context", "alone, cache_dir",
+                                                        "context, cache_dir"}
     assert results["targets"] and all({"target", "value", "limit", "met"} <= set(t)
                                       for t in results["targets"])
     one_row = results["one-row"]
@@ -240,6 +242,21 @@ def test_the_generator_sleeps_longer_for_straggling_keys_and_varies_per_epoch(tm
     assert not np.array_equal(made["slow", 0], made["slow", 1])
     np.testing.assert_array_equal(generator.generate("fast", 20, 3),
                                   generator.generate("fast", 20, 3))  # no epoch: as before
+
+
+def test_the_timeseries_scenario_measures_context_beside_shards_windowed_alone():
+    from gluon_stream.tools.bench.timeseries import SHARDS, STEPS, run_timeseries_scenario
+
+    out = run_timeseries_scenario(rounds=2, rows=40)
+    got = out["contenders"]
+    assert {name: (len(c["rounds"]), c["against"]) for name, c in got.items()} == {
+        "alone": (2, "alone"), "context": (2, "alone"),
+        "alone, cache_dir": (2, "alone, cache_dir"),
+        "context, cache_dir": (2, "alone, cache_dir")}
+    # context: the windows of one long series; alone: each shard's own
+    assert got["context"]["windows"] == got["context, cache_dir"]["windows"] == SHARDS * 40 - STEPS
+    assert got["alone"]["windows"] == SHARDS * (40 - STEPS)
+    assert all(c["x_against"] > 0 and c["samples_per_s"] > 0 for c in got.values())
 
 
 def test_the_features_scenario_runs_every_contender_each_round():

@@ -107,6 +107,10 @@ def configs(draw, kinds=KINDS, min_parts=1):
             keys_of = Rotated(tuple(keys))
     # an endless iterator of empty shards never ends a pass: at least one sample each
     sizes = {k: draw(st.integers(1 if kind == "endless" else 0, 11)) for k in keys}
+    # context_rows (a key list): the shards' sizes are then what the transform makes
+    context = draw(st.sampled_from([0, 0, 1, 3, 14])) if kind == "list" else 0
+    made = model.with_context(model.Config(keys=keys, sizes=sizes, batch_size=1,
+                                           context_rows=context)).sizes
     batch_size = draw(st.integers(1, 6))
     shuffle = draw(st.booleans())
     window = draw(st.integers(1, 3)) if shuffle and kind != "endless" else 1
@@ -115,17 +119,18 @@ def configs(draw, kinds=KINDS, min_parts=1):
                                       else ["keep", "discard", "rollover"]))
     known = draw(st.booleans())
     first = None if kind == "endless" else len(keys_of(0) if keys_of is not None else keys)
-    skip = bool(keys) and kind != "endless" and draw(st.booleans())
+    skip = bool(keys) and kind != "endless" and not context and draw(st.booleans())
     deal = model.deal_for(even, parts, known, spe, first, batch_size=batch_size, skip=skip,
-                          sizes=[sizes[k] for k in keys] if kind == "list" else None)
+                          sizes=[made[k] for k in keys] if kind == "list" else None)
     failing = frozenset(draw(st.sets(st.sampled_from(keys), min_size=1))) \
         if skip and deal == "shards" else frozenset()
-    declared = dict(sizes) if known else None
+    declared = dict(made) if known else None
     return model.Config(keys=keys, sizes=sizes, batch_size=batch_size, last_batch=last_batch,
                         shuffle=shuffle, seed=draw(st.integers(0, 3)), shuffle_window=window,
                         num_parts=parts, part_index=draw(st.integers(0, parts - 1)), deal=deal,
                         even_batches=even, failing=failing, declared=declared,
                         samples_per_epoch=spe, keys_of=keys_of, endless=kind == "endless",
+                        context_rows=context,
                         **({"sample_id": mixed_id} if mixed is not None else {}))
 
 
@@ -160,6 +165,9 @@ def make_loader(cfg: model.Config, path: str) -> gs.StreamLoader:
         kw.update(num_workers=2)
     if cfg.declared is not None:
         kw["shard_sizes"] = cfg.declared
+    if cfg.context_rows:
+        kw.update(context_rows=cfg.context_rows, transform=functools.partial(
+            context_samples, cfg.context_rows))
     return gs.StreamLoader(
         source, batch_size=cfg.batch_size,
         last_batch=cfg.last_batch, shuffle=cfg.shuffle, seed=cfg.seed,
@@ -167,6 +175,16 @@ def make_loader(cfg: model.Config, path: str) -> gs.StreamLoader:
         even_batches=cfg.even_batches, on_error="skip" if cfg.failing else "raise",
         prefetch=1, producers=1, samples_per_epoch=cfg.samples_per_epoch,
         provenance=cfg.seed % 2 == 0, **kw)  # half the draws also check each batch's origins
+
+
+def context_samples(c, raw):
+    """The transform with ``context_rows=c``: a sample of every row with ``c`` rows before it
+    in its input, named by its id and the id ``c`` rows back (see ``model.with_context``)."""
+    ids, values = raw
+    n = len(ids) - c
+    if n <= 0:
+        return ids[:0], values[:0]
+    return ids[c:] + model.CONTEXT_SCALE * (1 + ids[:n]), values[c:]
 
 
 def holding_for(holding, cfg, epochs, cuts):
@@ -244,16 +262,18 @@ def _until(loader, cfg, epochs, state, cut, got, loop):
 
 def seen(loader, batch, cfg):
     """A batch's sample ids; with even_batches='pad', with its padding rows. With provenance
-    on, the ids must be those its record names (key and raw row), padding marked as such."""
+    on, the ids must be those its record names (key and row of the transform's output: with
+    context, of the samples the key's series makes), padding marked as such."""
     ids = batch_ids(batch)
     if loader.stream.producer.keep_origins:
-        prov = loader.last_provenance
-        assert ids == [cfg.sample_id(k, r) for k, r in zip(prov.keys, prov.rows.tolist())]
+        prov, named = loader.last_provenance, model.with_context(cfg).sample_id
+        assert ids == [named(k, r) for k, r in zip(prov.keys, prov.rows.tolist())]
         assert int(prov.padding.sum()) == loader.pad or prov.padding.all()
     return (ids, loader.pad) if loader.even_batches == "pad" else ids
 
 
 def expected(cfg, epochs):
+    cfg = model.with_context(cfg)
     if cfg.samples_per_epoch is not None:
         padded = [b for epoch in model.fixed_epochs(cfg, epochs) for b in epoch]
         return padded if cfg.even_batches == "pad" else [ids for ids, _ in padded]
@@ -304,6 +324,7 @@ def test_any_configuration_resumed_anywhere_matches_the_model(cfg, epochs, path,
     if len(keys_of_epoch0(cfg)) < cfg.num_parts:
         event("fewer keys than ranks")
     for name, on in [("path=" + path, True), ("window", cfg.shuffle_window > 1),
+                     ("context", cfg.context_rows > 0),
                      ("skip", bool(cfg.failing)), ("even", cfg.even_batches),
                      ("parts", cfg.num_parts > 1), ("deal=" + cfg.deal, cfg.deal != "shards"),
                      ("samples_per_epoch", cfg.samples_per_epoch is not None),
@@ -350,6 +371,7 @@ def _epochs(loader, epochs, cfg):
 
 def epoch_samples(cfg, epoch):
     """Every sample of an epoch (a multiset, sorted): what 'pad''s real rows must hold."""
+    cfg = model.with_context(cfg)
     return sorted(cfg.sample_id(k, r) for k in model.keys_for(cfg, epoch)
                   if k not in cfg.failing for r in range(cfg.sizes[k]))
 

@@ -5,6 +5,7 @@ In the order data flows through them:
 * ``keys``: which keys an epoch reads, and the kept keys of an endless iterator;
 * ``sizes``: what is known of shard sizes (declared, known to the source, seen in a pass);
 * ``producers``: the producer threads of a :class:`~gluon_stream.ShardStream` and their throttle;
+* ``context``: the previous keys' last raw rows put before a shard's own (``context_rows``);
 * ``shard``: one ready shard, and the ``prepare`` step that puts its arrays in the consumer's form;
 * ``run``: one pass's window of shards, handed out in order, and the stream's side it drives;
 * ``offsets``: the rows before each shard of a pass, as producers learn them (balanced strides);

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 #: seconds the shard ranked first waits with nothing given back before it is admitted anyway
 PATIENCE_S = 2.0
-PARTS = ("raw", "transformed", "copy")
+PARTS = ("raw", "transformed", "copy", "context")  # context: context_rows (context.py)
 
 
 class GiveWay(Exception):
@@ -75,7 +75,8 @@ class Admission:
             return 0
         copy = max(largest["copy"], largest["raw"])
         estimate = {"raw": largest["raw"], "copy": copy,
-                    "transformed": largest["transformed"] if self.transforms else 0}
+                    "transformed": largest["transformed"] if self.transforms else 0,
+                    "context": largest["context"]}  # 0 unless context_rows is given
         return sum(estimate[p] for p in PARTS if p not in self.touched)
 
     def reserve(self, part: str, nbytes: int, closed: Callable[[], bool],
@@ -271,5 +272,6 @@ class MemoryGate:
 
 def _parts(adm: Admission, part: str, nbytes: int) -> str:
     held = dict(adm.held, **{part: nbytes})
-    words = {"raw": "raw arrays", "transformed": "transform's output", "copy": "copy"}
+    words = {"raw": "raw arrays", "transformed": "transform's output", "copy": "copy",
+             "context": "context rows and a previous key's shard"}
     return ", ".join(f"{words[p]} {format_bytes(held[p])}" for p in PARTS if held[p])

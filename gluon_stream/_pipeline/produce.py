@@ -48,6 +48,7 @@ class PassOf(Protocol):
 if TYPE_CHECKING:
     from ..sources import RawShard, Source
     from ..stats import Stats
+    from .context import ContextRows
     from .deal import KeyDealer
     from .sizes import ShardSizes
     from .tuning import Tuner
@@ -80,13 +81,15 @@ class Producer:
         remote: An executor that generates shards elsewhere, or None.
         check_open: Raises unless the stream is open and used by its owner process.
         tuner: The ``memory_budget`` tuner, told of every shard handed out, or None.
+        context: ``context_rows``: what puts the previous keys' rows before a shard's, or None.
     """
 
     def __init__(self, source: Source, transform: Callable[[Any], Any] | None,
                  pool: ProducerPool, gate: MemoryGate | None, dealer: KeyDealer,
                  sizes: ShardSizes, stats: Stats, error_policy: ErrorPolicy,
                  schema: Sequence[tuple[Any, Sequence[int]]] | None, remote: cf.Executor | None,
-                 check_open: Callable[[], None], tuner: Tuner | None = None) -> None:
+                 check_open: Callable[[], None], tuner: Tuner | None = None,
+                 context: ContextRows | None = None) -> None:
         self.source, self.transform = source, transform
         self._res, self.gate, self.dealer, self.sizes = pool, gate, dealer, sizes
         self.stats, self.error_policy = stats, error_policy
@@ -96,6 +99,8 @@ class Producer:
         #: the stream's check (closed, or used from another process than its owner's)
         self.check_open = check_open
         self.tuner = tuner
+        #: context_rows: the previous keys' last rows put before a shard's (None: no context)
+        self.context = context
         self.keep_origins = False  # provenance=True: each shard keeps its ShardOrigin
 
     @property
@@ -318,6 +323,9 @@ class Producer:
         if peek is not None:  # it was made (or found) by the peek
             raw.cache_hit, raw.generate_s = peek[1], raw.generate_s + peek[2]
         gate.made("raw", raw.arrays)
+        if self.context is not None:  # the previous keys' last raw rows, before this shard's
+            self.context.extend(raw, made, self._produce_raw, gate,
+                                lambda: self.closed or (run is not None and run.cancelled))
         t1 = clock()
         arrays = raw.arrays
         owned = raw.owned and self.transform is None  # a transform's output is user code's
@@ -369,6 +377,12 @@ class Producer:
         shard.record = ShardRecord(key, epoch, len(shard), raw.cache_hit, raw.generate_s,
                                    raw.load_s, t2 - t1, lane, source=raw.source, nbytes=nbytes)
         return shard
+
+    def _produce_raw(self, key: Any, epoch: int) -> RawShard:
+        """A shard's raw arrays, made as a producer makes them (the context of another)."""
+        if self._remote is None:
+            return self.source.produce(key, epoch)
+        return self.source.produce(key, epoch, executor=self._remote)
 
     def _rows_before(self, run: PassOf, index: int, full_size: int) -> int:
         """``deal='balanced'``: tell the run this shard's size and wait for the rows before

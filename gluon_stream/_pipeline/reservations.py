@@ -94,6 +94,21 @@ class ShardReservations:
                            "leave too little room within memory_budget for the shards before "
                            "it")
 
+    def largest(self, part: str) -> int:
+        """The largest ``part`` seen in the stream, in bytes (0 without a budget)."""
+        return 0 if self.adm is None else self.adm.gate.largest[part]
+
+    def replaced(self, part: str, arrays: Sequence[Any]) -> None:
+        """``part``'s arrays were replaced by ``arrays`` (made from them, the old ones let
+        go: the raw arrays with ``context_rows`` before them): it holds what they hold."""
+        if self.adm is not None:
+            self.adm.gate.set(self.adm, part, memory_of(arrays, self._counted))
+
+    def drop(self, part: str) -> None:
+        """``part`` is freed (a previous key's shard read for context)."""
+        if self.adm is not None:
+            self.adm.drop(part)
+
     def source_bytes(self) -> int:
         """The raw and transformed arrays' bytes: alive beside the copy while it is made."""
         return 0 if self.adm is None else self.adm.held["raw"] + self.adm.held["transformed"]

@@ -104,12 +104,17 @@ class ShardSizes:
         self._before: tuple[Any, list] = (None, [])  # a remainder, and its rows_before
         # (key, epoch or None) -> samples seen; ``seen``: another ShardSizes' (shared)
         self._seen: dict[tuple, int] = {} if seen is None else seen
+        #: a shard's size may differ between epochs though its source's data does not
+        #: (``context_rows`` over ``keys(epoch)`` lists: a key's context changes with them)
+        self.per_epoch = False
 
     def without_remainder(self, keys_of: KeysOf) -> "ShardSizes":
         """These sizes as a fresh job of this size counts an epoch: its keys (``keys_of``), an
         elastic resume's remainder aside; sizes seen in a pass are shared."""
-        return ShardSizes(self.source, self.transform, self._declared, self.deal,
-                          self.num_parts, self.part_index, keys_of, seen=self._seen)
+        sizes = ShardSizes(self.source, self.transform, self._declared, self.deal,
+                           self.num_parts, self.part_index, keys_of, seen=self._seen)
+        sizes.per_epoch = self.per_epoch
+        return sizes
 
     def check_declared(self, key: Any, epoch: int, index: int, before: int | None,
                        samples: int) -> None:
@@ -128,7 +133,7 @@ class ShardSizes:
     def remember(self, key: Any, epoch: int, full_size: int) -> None:
         """A shard turned out to hold ``full_size`` samples (for later passes' counts)."""
         self._seen[(key, epoch)] = full_size
-        if not self.source.per_epoch:
+        if not (self.source.per_epoch or self.per_epoch):
             self._seen[(key, None)] = full_size
 
     def part_share(self, full: int, part: int | None = None, turn: int | None = None) -> int:

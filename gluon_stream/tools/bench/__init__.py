@@ -57,6 +57,9 @@ in µs (see :mod:`.onerow`). ``growth``: how the loader's costs grow with the ke
 construction, ``len()``, first batch, state, an epoch's start on 8 ranks), the shards per epoch,
 the ranks merged by ``merge_states`` (8-1024) and the run's length in epochs (state size), each
 size list an option (see :mod:`.growth`).
+peak memory and cost (see :mod:`.tuning`). ``timeseries``: ``context_rows`` (windows across
+the shards' boundaries) against the same shards windowed alone, from memory and from a
+``cache_dir`` (see :mod:`.timeseries`).
 
 Every run first records the machine's single-process reference rate (see :mod:`.reference`),
 printed above the tables and stored as ``reference``, so runs on different days compare.
@@ -94,6 +97,7 @@ from .stragglers import (
     stragglers_workload,
 )
 from .throughput import THROUGHPUT_CONTENDERS, THROUGHPUT_SHAPES, mixing, run_throughput_scenario
+from .timeseries import run_timeseries_scenario
 from .tuning import run_tuning_scenario
 from .window_epochs import WINDOW_EPOCHS, WINDOW_EPOCHS_CONTENDERS, run_window_epochs_scenario
 from .workload import Workload, ideal_time, wave_bound
@@ -109,7 +113,7 @@ logger = logging.getLogger(__name__)
 
 SCENARIOS = (*PIPELINE_SCENARIOS, "throughput", "per-sample", "placement", "memory", "stragglers",
              "window-epochs", "features", "tuning", "one-row", "growth",
-             "provenance")
+             "provenance", "timeseries")
 
 
 @dataclass(frozen=True)
@@ -208,6 +212,8 @@ def run_bench(config: BenchConfig) -> dict:
             # 16 shards of a fifth of --throughput-samples rows each (default 4000)
             results[scenario] = run_provenance_scenario(
                 config.rounds, seed=base.seed, rows=max(64, config.throughput_samples // 5))
+        elif scenario == "timeseries":
+            results[scenario] = run_timeseries_scenario(config.rounds, seed=base.seed)
         else:
             raise ValueError(f"unknown bench scenario {scenario!r}; choose from "
                              f"{', '.join(SCENARIOS)}")

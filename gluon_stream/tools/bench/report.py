@@ -8,6 +8,7 @@ from .growth import growth_lines
 from .onerow import one_row_lines
 from .pipeline import PIPELINE_SCENARIOS
 from .provenance import provenance_lines
+from .timeseries import timeseries_lines
 from .tuning import tuning_lines
 
 __all__ = ["DIAGNOSED", "UNBOUNDED", "fmt", "format_results", "targets"]
@@ -221,6 +222,7 @@ def format_results(results: dict) -> str:
     lines.extend(one_row_lines(results.get("one-row")))
     lines.extend(growth_lines(results.get("growth")))
     lines.extend(provenance_lines(results.get("provenance")))
+    lines.extend(timeseries_lines(results.get("timeseries")))
     targets = results.get("targets")
     if targets:
         lines.append("\ntargets:")
