@@ -64,10 +64,10 @@ from .layout import EVICT_LOCK, SUFFIXES, lock_path, shard_path, temp_path
 from .leftovers import remove_leftovers
 from .lock import exclusive
 from .lookup import find_shard
-from .making import ensure
+from .making import ShardMaking
 from .notices import Notices
 from .pins import FilePins
-from .publishing import publish_file
+from .publishing import ShardPublishing
 from .recency import FUTURE_SLACK_S, list_shards, touch
 from .recipe import read_recipe
 from .recorded import add_sizes, read_sizes
@@ -82,15 +82,17 @@ logger = logging.getLogger(__name__)
 ON_CHANGE = ("regenerate", "raise")
 
 
-class LocalShardCache:
+class LocalShardCache(ShardMaking, ShardPublishing):
     """Finished shards in ``cache_dir``; one process generates a key at a time.
 
     Implements :class:`~gluon_stream.cache.ShardCache`. The cache's parts live beside it, one
     concept each: the directory's names (:mod:`.layout`), finding a shard (:mod:`.lookup`),
     whether it is stale (:mod:`.staleness`), pins (:mod:`.pins`), last-used times
-    (:mod:`.recency`), making (:mod:`.making`) and publishing (:mod:`.publishing`) a shard,
-    failure records (:mod:`.failure_gate`), room (:mod:`.room`). The methods with a leading
-    underscore are the steps a :class:`~.remote.RemoteShardCache` does its own way.
+    (:mod:`.recency`), making (:mod:`.making`) and publishing (:mod:`.publishing`) a shard (the
+    mixins :class:`~.making.ShardMaking` and :class:`~.publishing.ShardPublishing`, whose steps
+    are methods of this cache), failure records (:mod:`.failure_gate`), room (:mod:`.room`). The
+    methods with a leading underscore are the steps a :class:`~.remote.RemoteShardCache` does
+    its own way.
 
     Args:
         cache_dir: The directory (created if missing).
@@ -263,7 +265,7 @@ class LocalShardCache:
         meanwhile is recreated once and the shard made again. A new shard is pinned from
         before it is published, so no other producer's eviction takes it before it is read.
         """
-        path, hit, pin = ensure(self, name, create, recipe)
+        path, hit, pin = self._ensure(name, create, recipe)
         try:
             yield path, hit
         finally:
@@ -313,7 +315,7 @@ class LocalShardCache:
 
     def _publish(self, tmp: str, name: str) -> tuple[str, Any]:
         """Move a finished, validated temp file into place, pinned: ``(path, pin)``."""
-        return publish_file(self, tmp, name)
+        return self._publish_file(tmp, name)
 
     # -- bounding the cache: what its CacheRoom asks of it (room.Shelf) ----------------------
     def _make_room(self, name: str, size: int, replacing: bool = True) -> bool:

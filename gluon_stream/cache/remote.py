@@ -45,7 +45,6 @@ from ..shardfile import inspect_file
 from .base import Recipe
 from .layout import SUFFIXES
 from .local import LocalShardCache
-from .publishing import room_for
 
 __all__ = ["ATOMIC_UPLOADS", "RemoteShardCache"]
 
@@ -224,7 +223,7 @@ class RemoteShardCache(LocalShardCache):
         final = self._final(name, suffix)
         self._forget_size(final)
         try:
-            with room_for(self, name, os.path.getsize(tmp)):
+            with self._room_for(name, os.path.getsize(tmp)):
                 with storage_errors(self._shown(final), name, "uploading to"):
                     self._upload(tmp, final)
                     for other in SUFFIXES:
