@@ -37,7 +37,7 @@ from ._pipeline.provenance import Provenance, ProvenanceTracker
 from ._pipeline.ranks import choose_deal
 from ._pipeline.sizes import ShardSizes
 from ._pipeline.starts import PassStarts
-from ._pipeline.state import decode_state, encode_state
+from ._pipeline.state import LoaderState, decode_state, encode_state
 from ._pipeline.tuning import Tuner
 from ._utils import validate as _validate
 from ._utils.closing import Closing
@@ -46,7 +46,7 @@ from ._utils.distributed import resolve_parts, synchronous_job
 from ._utils.lifecycle import check_owner, track
 from ._utils.retry import OnError
 from .elastic import load_any, remainder_fields
-from .errors import LoaderClosed, SizeUnknown
+from .errors import LoaderClosed
 from .sources import Source
 from .stats import Stats
 from .stream import ShardStream
@@ -69,6 +69,12 @@ class _LoaderResources:
         self.path.close()
         if self.owns_stream:
             self.stream.close()
+
+
+#: StreamLoader's arguments that configure its ShardStream (given one, they must not be given)
+_STREAM_ARGS = ("transform", "shuffle", "seed", "prefetch", "producers", "on_error", "schema",
+                "stats", "num_parts", "part_index", "kvstore", "shard_sizes", "num_epochs",
+                "memory_budget", "context_rows", "context_break")
 
 
 class StreamLoader(Closing):
@@ -216,54 +222,29 @@ class StreamLoader(Closing):
                  context_break: Callable[[Any, Any], bool] | None = None) -> None:
         import_mxnet()
         named = self._named
+        # the stream's arguments the caller gave (the stream's defaults for the others)
+        given = {name: value for name, value in locals().items()
+                 if name in _STREAM_ARGS and name in named}
         self.batch_size = _validate.integer("batch_size", batch_size, minimum=1)
         self.last_batch = _validate.choice("last_batch", last_batch, LAST_BATCH_MODES)
-        self.num_workers = _validate.integer("num_workers", num_workers, minimum=0)
-        self.timeout = _validate.seconds("timeout", timeout)
         _check_even_batches(even_batches, self.last_batch)
-        _validate.callable_or_none("sample_transform", sample_transform)
-        _validate.callable_or_none("batchify_fn", batchify_fn)
-        self.sample_format = _validate.choice("sample_format", sample_format, SAMPLE_FORMATS)
-        given: dict[str, Any] = {name: value for name, value in (
-            ("transform", transform), ("shuffle", shuffle), ("seed", seed),
-            ("prefetch", prefetch), ("producers", producers), ("on_error", on_error),
-            ("schema", schema), ("stats", stats), ("num_parts", num_parts),
-            ("part_index", part_index), ("kvstore", kvstore), ("shard_sizes", shard_sizes),
-            ("num_epochs", num_epochs), ("memory_budget", memory_budget),
-            ("context_rows", context_rows), ("context_break", context_break))
-            if name in named}
+        self.num_workers, self.timeout, self.sample_format = _per_sample_args(
+            num_workers, timeout, sample_format, sample_transform, batchify_fn)
         stream, owns = _stream_of(source, given, even_batches, samples_per_epoch,
                                    self.batch_size)
         self.shuffle_window = _validate.integer("shuffle_window", shuffle_window, minimum=1)
-        if self.shuffle_window > 1 and not stream.shuffle:
-            raise ValueError(f"shuffle_window={shuffle_window} mixes the samples of several "
-                             "shards for shuffle=True; pass shuffle=True (and a seed)")
-        if even_batches and stream.deal != "shards" and stream.on_error == "skip" \
-                and not stream.source.agrees_on_failures:
-            raise ValueError(
-                f"even_batches={even_batches!r} with on_error='skip' cannot keep every rank's "
-                f"batch count equal when every rank takes strides of every shard (deal="
-                f"{stream.deal!r}: shard sizes unknown, or fewer keys than ranks): a shard that "
-                "fails on one rank only leaves that rank short, and synchronous training hangs. "
-                "Give the ranks one shared cache_dir without cache_limit (a failure is recorded "
-                "there, so every rank skips it), pass shard_sizes= (and as many keys as ranks), "
-                "or on_error='raise' or ('retry', n)")
+        _check_stream_fits(stream, self.shuffle_window, even_batches)
         self.even_batches: bool | str = even_batches
-        self.thread_pool = thread_pool
-        self.batchify_fn = batchify_fn
+        self.thread_pool, self.batchify_fn = thread_pool, batchify_fn
         self.sample_transform = sample_transform
-        self.pin_memory = pin_memory
-        self.pin_device_id = pin_device_id
-        self.stream = stream
-        self.progress = progress
+        self.pin_memory, self.pin_device_id = pin_memory, pin_device_id
+        self.stream, self.progress = stream, progress
         self.vectorised = batchify_fn is None and sample_transform is None
         # memory_budget on the per-sample path, num_workers not given: the tuner picks how
         # many of one worker process per usable core (forked here, once) make batches
-        self._tuned_workers = (usable_cores() if stream.tuner is not None and not self.vectorised
-                               and "num_workers" not in named and not thread_pool
-                               else 0)
-        if self._tuned_workers:
-            self.num_workers = self._tuned_workers
+        self._tuned_workers = usable_cores() if stream.tuner is not None \
+            and not self.vectorised and "num_workers" not in named and not thread_pool else 0
+        self.num_workers = self._tuned_workers or self.num_workers
         self.samples_per_epoch = (None if samples_per_epoch is None else _validate.integer(
             "samples_per_epoch", samples_per_epoch, minimum=1, hint="or None"))
         stream.dealer.keep_keys = self.samples_per_epoch is not None  # epochs restart passes
@@ -276,6 +257,12 @@ class StreamLoader(Closing):
         self._job = synchronous_job(given.get("kvstore")) if stream.num_parts > 1 else None
         self.ctx = _check_ctx(ctx, shards_on_ctx, self.vectorised)
         self.shards_on_ctx = bool(shards_on_ctx)
+        self._wire(owns, progress, provenance, remote=isinstance(producers, Executor))
+
+    def _wire(self, owns: bool, progress: bool | str, provenance: bool, remote: bool) -> None:
+        """The loader's own stages and resources: its batch path, its pass settings, what it
+        closes, the tuner's watch, the stats' description and provenance."""
+        stream = self.stream
         self._path = path = _batch_path(self, stream.error_policy.retries)
         self._settings = PassSettings(self.batch_size, self.last_batch, self.shuffle_window,
                                       self.even_batches, progress,
@@ -284,20 +271,9 @@ class StreamLoader(Closing):
         self._res = _LoaderResources(stream, owns, path)
         if stream.tuner is not None:  # what the loader holds besides shards
             _watch(self, stream.tuner, path)
-        # the settings stats.diagnose() bases its advice on
-        stream.stats.describe(
-            producers=stream.producers, auto_producers=stream.auto_producers,
-            remote=isinstance(producers, Executor), prefetch=stream.prefetch,
-            num_workers=1 if self._tuned_workers else self.num_workers,
-            thread_pool=bool(thread_pool),
-            per_sample=not self.vectorised, shards_on_ctx=self.shards_on_ctx,
-            contexts=len(self.ctx) if isinstance(self.ctx, list) else int(self.ctx is not None),
-            pin_memory=bool(pin_memory), shuffle_window=self.shuffle_window,
-            batch_size=self.batch_size, memory_budget=stream.memory_budget)
+        _describe(self, remote)
         # provenance=True: shards keep their row order, the passes note their batches' units
-        if not isinstance(provenance, bool):
-            raise TypeError(f"provenance must be True or False, got {provenance!r}")
-        self._origins = ProvenanceTracker() if provenance else None
+        self._origins = _tracker(provenance)
         stream.producer.keep_origins |= self._origins is not None
         self._finalizer = weakref.finalize(self, self._res.close)
         track(self, self._finalizer)
@@ -334,14 +310,7 @@ class StreamLoader(Closing):
         size yields them: with even_batches the count every part yields (the same on every
         rank). A loaded state does not change it, of the same world size or merged from
         another (an elastic resume): the resumed pass yields the rest of it."""
-        epoch = self.epoch
-        start = self._starts.next(warn=False).position
-        count = self._counts.batches(epoch, start.carried if start.epoch == epoch
-                                     and start.unit == start.offset == 0 else 0, fresh=True)
-        if count is None:
-            raise SizeUnknown(f"len(StreamLoader) is unknown for epoch {epoch}: "
-                              f"{self._counts.unknown_reason(epoch)}")
-        return count
+        return self._counts.fresh_len(self.epoch, self._starts.next(warn=False).position)
 
     @property
     def pad(self) -> int:
@@ -369,28 +338,8 @@ class StreamLoader(Closing):
         """A pass's batches; ``legacy``: legacy NDArrays whatever the mode (the Module API's
         :class:`~gluon_stream.StreamIter`, as MXNet's own ``NDArrayIter``)."""
         self._check_open()
-        start, carry, handover = self._starts.begin()
-        end = start.position.end  # the rest of an ended epoch (a resumed state): nothing
-        limit = None if end else self._counts.even_limit(start.epoch)
-        expected = self._counts.batches(start.epoch, start.position.carried) \
-            if self.progress and not end else None
-        self._starts.last = EpochPass(self.stream, self._path, self._settings, start, limit,
-                                      expected, carry, handover)
-        self._starts.last.origins = self._origins
+        self._starts.last = _new_pass(self)
         return _held(self, iter(self._starts.last), legacy)
-
-    def _settings_saved(self) -> dict:
-        """What decides the batches, stored in a state and checked on load."""
-        stream = self.stream
-        settings = {"seed": stream.seed, "shuffle": stream.shuffle,
-                    "batch_size": self.batch_size, "last_batch": self.last_batch,
-                    "num_parts": stream.num_parts, "part_index": stream.part_index,
-                    "deal": stream.deal, "shuffle_window": self.shuffle_window,
-                    "even_batches": self.even_batches, "samples_per_epoch": self.samples_per_epoch}
-        context = stream.producer.context
-        if context is not None:  # only then: states saved without context load as before
-            settings["context_rows"] = context.rows
-        return settings
 
     def state_dict(self) -> dict:
         """Where the stream stands, as a small JSON-serialisable dict (take it between batches).
@@ -403,14 +352,7 @@ class StreamLoader(Closing):
         resume with a changed key list is refused instead of repeating or skipping samples) and
         a checksum (an edited state is refused).
         """
-        state = self._starts.current()
-        position = state.position
-        extra = remainder_fields(self.stream, position.epoch, state.epoch) or {}
-        if self._job is not None:  # the ranks step together: merge_states compares them
-            extra["job"] = self._job
-        return encode_state(state, self._settings_saved(),
-                            self.stream.dealer.epoch_keys(position.epoch)[2],
-                            self.stream.dealer.kept_key(position.epoch, position.unit), extra)
+        return _saved_state(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict` of a loader built with the same arguments.
@@ -423,21 +365,7 @@ class StreamLoader(Closing):
                 refers to changed.
         """
         self._check_open()
-        settings = self._settings_saved()
-        saved = state.get("settings") if isinstance(state, Mapping) else None
-        seed = saved.get("seed") if isinstance(saved, Mapping) else None
-        adopt = seed is not None and not self.stream.seed_given and _validate.is_int(seed)
-        if adopt:
-            settings["seed"] = seed
-        decoded = load_any(state, settings, self.stream, lambda: decode_state(
-            state, settings, self.batch_size,
-            lambda epoch: self._keys_with_seed(epoch, settings["seed"]), self.stream.dealer.key_at))
-        if adopt and seed is not None:
-            self.stream.adopt_seed(int(seed))
-        self._starts.load(decoded)
-
-    def _keys_with_seed(self, epoch: int, seed: int) -> list | None:
-        return self.stream.dealer.epoch_keys(epoch, seed=seed)[2]
+        self._starts.load(_loaded_state(self, state))
 
     def close(self) -> None:
         """Stop producers, end worker pools, kill generators, remove temp files; idempotent."""
@@ -448,6 +376,116 @@ class StreamLoader(Closing):
         if self._res.closed:
             raise LoaderClosed("this StreamLoader is closed; create a new one")
         self.stream.check_open()
+
+
+def _new_pass(loader: StreamLoader) -> EpochPass:
+    """The loader's next pass: from where it stands (a loaded state, the last pass's carry and
+    the run it handed over), its batches counted where the bar or even_batches need them."""
+    start, carry, handover = loader._starts.begin()
+    counts = loader._counts
+    end = start.position.end  # the rest of an ended epoch (a resumed state): nothing
+    limit = None if end else counts.even_limit(start.epoch)
+    expected = counts.batches(start.epoch, start.position.carried) \
+        if loader.progress and not end else None
+    new = EpochPass(loader.stream, loader._path, loader._settings, start, limit, expected,
+                    carry, handover)
+    new.origins = loader._origins
+    return new
+
+
+def _per_sample_args(num_workers: int, timeout: float, sample_format: Any,
+                     sample_transform: Any, batchify_fn: Any) -> tuple[int, float, Any]:
+    """The per-sample path's arguments, checked: ``num_workers``, ``timeout`` and
+    ``sample_format`` (``sample_transform`` and ``batchify_fn``: callables or None)."""
+    _validate.callable_or_none("sample_transform", sample_transform)
+    _validate.callable_or_none("batchify_fn", batchify_fn)
+    return (_validate.integer("num_workers", num_workers, minimum=0),
+            _validate.seconds("timeout", timeout),
+            _validate.choice("sample_format", sample_format, SAMPLE_FORMATS))
+
+
+def _check_stream_fits(stream: ShardStream, shuffle_window: int,
+                       even_batches: bool | str) -> None:
+    """Refuse a stream whose settings the loader's cannot hold: a shuffle window without
+    shuffling, and equal batch counts that a failure on one rank only would break."""
+    if shuffle_window > 1 and not stream.shuffle:
+        raise ValueError(f"shuffle_window={shuffle_window} mixes the samples of several "
+                         "shards for shuffle=True; pass shuffle=True (and a seed)")
+    if even_batches and stream.deal != "shards" and stream.on_error == "skip" \
+            and not stream.source.agrees_on_failures:
+        raise ValueError(
+            f"even_batches={even_batches!r} with on_error='skip' cannot keep every rank's "
+            f"batch count equal when every rank takes strides of every shard (deal="
+            f"{stream.deal!r}: shard sizes unknown, or fewer keys than ranks): a shard that "
+            "fails on one rank only leaves that rank short, and synchronous training hangs. "
+            "Give the ranks one shared cache_dir without cache_limit (a failure is recorded "
+            "there, so every rank skips it), pass shard_sizes= (and as many keys as ranks), "
+            "or on_error='raise' or ('retry', n)")
+
+
+def _describe(loader: StreamLoader, remote: bool) -> None:
+    """Tell the stats the settings ``stats.diagnose()`` bases its advice on."""
+    stream, ctx = loader.stream, loader.ctx
+    stream.stats.describe(
+        producers=stream.producers, auto_producers=stream.auto_producers,
+        remote=remote, prefetch=stream.prefetch,
+        num_workers=1 if loader._tuned_workers else loader.num_workers,
+        thread_pool=bool(loader.thread_pool),
+        per_sample=not loader.vectorised, shards_on_ctx=loader.shards_on_ctx,
+        contexts=len(ctx) if isinstance(ctx, list) else int(ctx is not None),
+        pin_memory=bool(loader.pin_memory), shuffle_window=loader.shuffle_window,
+        batch_size=loader.batch_size, memory_budget=stream.memory_budget)
+
+
+def _tracker(provenance: Any) -> ProvenanceTracker | None:
+    """``provenance=``: a tracker of each batch's origins, or None (off)."""
+    if not isinstance(provenance, bool):
+        raise TypeError(f"provenance must be True or False, got {provenance!r}")
+    return ProvenanceTracker() if provenance else None
+
+
+def _settings_saved(loader: StreamLoader) -> dict:
+    """What decides the batches, stored in a state and checked on load."""
+    stream = loader.stream
+    settings = {"seed": stream.seed, "shuffle": stream.shuffle,
+                "batch_size": loader.batch_size, "last_batch": loader.last_batch,
+                "num_parts": stream.num_parts, "part_index": stream.part_index,
+                "deal": stream.deal, "shuffle_window": loader.shuffle_window,
+                "even_batches": loader.even_batches, "samples_per_epoch": loader.samples_per_epoch}
+    context = stream.producer.context
+    if context is not None:  # only then: states saved without context load as before
+        settings["context_rows"] = context.rows
+    return settings
+
+
+def _saved_state(loader: StreamLoader) -> dict:
+    """:meth:`StreamLoader.state_dict`: the chain's position, encoded with its settings."""
+    state = loader._starts.current()
+    position, dealer = state.position, loader.stream.dealer
+    extra = remainder_fields(loader.stream, position.epoch, state.epoch) or {}
+    if loader._job is not None:  # the ranks step together: merge_states compares them
+        extra["job"] = loader._job
+    return encode_state(state, _settings_saved(loader), dealer.epoch_keys(position.epoch)[2],
+                        dealer.kept_key(position.epoch, position.unit), extra)
+
+
+def _loaded_state(loader: StreamLoader, state: Mapping[str, Any]) -> LoaderState:
+    """:meth:`StreamLoader.load_state_dict`: ``state`` decoded and checked against the
+    loader's settings (a drawn seed takes the state's)."""
+    stream = loader.stream
+    settings = _settings_saved(loader)
+    saved = state.get("settings") if isinstance(state, Mapping) else None
+    seed = saved.get("seed") if isinstance(saved, Mapping) else None
+    adopt = seed is not None and not stream.seed_given and _validate.is_int(seed)
+    if adopt:
+        settings["seed"] = seed
+    decoded = load_any(state, settings, stream, lambda: decode_state(
+        state, settings, loader.batch_size,
+        lambda epoch: stream.dealer.epoch_keys(epoch, seed=settings["seed"])[2],
+        stream.dealer.key_at))
+    if adopt and seed is not None:
+        stream.adopt_seed(int(seed))
+    return decoded
 
 
 def _signature_of_init(cls: type) -> inspect.Signature:

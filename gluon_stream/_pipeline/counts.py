@@ -7,7 +7,7 @@ from typing import Any, Iterator, Protocol
 from ..errors import SizeUnknown
 from ..sources import Source
 from ..stream import ShardStream
-from .batching import LastBatch
+from .batching import LastBatch, Position
 from .ranks import even_count
 from .remainder import Remainder
 from .sizes import ShardSizes
@@ -47,6 +47,17 @@ class BatchCounts:
         self.last_batch = last_batch
         self.even_batches = even_batches
         self.samples_per_epoch = samples_per_epoch
+
+    def fresh_len(self, epoch: int, start: Position) -> int:
+        """``len(loader)``: batches of ``epoch`` from its start as a fresh job of this size
+        yields them (``start``: where the next pass starts; its carry counts at the epoch's
+        start); :class:`~gluon_stream.SizeUnknown` where the sizes are not known."""
+        fresh = start.epoch == epoch and start.unit == start.offset == 0
+        count = self.batches(epoch, start.carried if fresh else 0, fresh=True)
+        if count is None:
+            raise SizeUnknown(f"len(StreamLoader) is unknown for epoch {epoch}: "
+                              f"{self.unknown_reason(epoch)}")
+        return count
 
     def batches(self, epoch: int, carried: int = 0, fresh: bool = False) -> int | None:
         """Batches epoch ``epoch`` yields from its start (``carried``: samples rolled over);
