@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from ._pipeline.admission import MemoryGate
-from ._pipeline.context import ContextBreak, context_rows_of
+from ._pipeline.context import ContextBreak, ContextRows, context_rows_of
 from ._pipeline.deal import KeyDealer
 from ._pipeline.produce import Producer
 from ._pipeline.producers import ProducerPool, first_knobs
@@ -161,42 +161,33 @@ class ShardStream(Closing):
         # context_rows over keys(epoch): a key's context, so its size, may change per epoch
         self.sizes.per_epoch = context is not None and not source.same_keys
         self._generate_auto = generate_ahead == "auto" and caches
-        self.generate_ahead = (self._auto_generate_ahead(prefetch) if self._generate_auto
+        self.generate_ahead = (_auto_generate_ahead(source, prefetch) if self._generate_auto
                                else _fixed_generate_ahead(generate_ahead, caches))
         self.num_epochs = (None if num_epochs is None
                            else _validate.integer("num_epochs", num_epochs, minimum=1))
         self._res = ProducerPool(source, throttle)
+        self._production(budget, Limits(budget or 0, throttle.bound, fixed_prefetch=fixed_prefetch,
+                                        fixed_producers=not self.auto_producers), schema, context)
+
+    def _production(self, budget: int | None, limits: Limits, schema: Any,
+                    context: ContextRows | None) -> None:
+        """The memory gate and the tuner (with a ``memory_budget``), the production stage, and
+        what closes them."""
         self.memory_budget = budget
         #: memory admitted before it is allocated, within the budget (None: no budget)
         self.gate = None if budget is None else MemoryGate(budget)
-        self.tuner = None if budget is None else self._tuner(
-            Limits(budget, throttle.bound, fixed_prefetch=fixed_prefetch,
-                   fixed_producers=not self.auto_producers))
+        self.tuner: Tuner | None = None
+        if self.gate is not None:  # what it learns of rows held outside (a loader's batches
+            target: Tunable = self  # in flight) is admitted at the gate
+            self.tuner = Tuner(target, limits, lambda: self.stats.clock() - self.stats.origin,
+                               self.stats.add_tuning)
+            self.tuner.on_rows = self.gate.set_outside
         #: the production stage: shards made in the producer threads or the caller's
-        self.producer = Producer(source, transform, self._res, self.gate, self.dealer,
-                                 self.sizes, self.stats, self.error_policy, schema,
+        self.producer = Producer(self.source, self.transform, self._res, self.gate,
+                                 self.dealer, self.sizes, self.stats, self.error_policy, schema,
                                  self._remote, self.check_open, self.tuner, context)
         self._finalizer = weakref.finalize(self, _close_all, self._res, self.gate)
         track(self, self._finalizer)
-
-    def _auto_generate_ahead(self, prefetch: int) -> int:
-        """``generate_ahead='auto'`` for ``prefetch``: two windows' worth, within the
-        ``cache_limit``."""
-        ahead = 2 * (prefetch + 1)
-        room = self.source.cache_room
-        if room is not None:  # shards made ahead must not be evicted before they are read
-            ahead = max(0, min(ahead, room - prefetch - 2))
-        return ahead
-
-    def _tuner(self, limits: Limits) -> Tuner:
-        """The ``memory_budget`` tuner of this stream's knobs; what it learns of rows held
-        outside the gate (a loader's batches in flight) is admitted there."""
-        target: Tunable = self
-        tuner = Tuner(target, limits, lambda: self.stats.clock() - self.stats.origin,
-                      self.stats.add_tuning)
-        assert self.gate is not None
-        tuner.on_rows = self.gate.set_outside
-        return tuner
 
     # -- configuration ------------------------------------------------------------------
     @property
@@ -210,7 +201,7 @@ class ShardStream(Closing):
         follows it."""
         self.prefetch = _validate.integer("prefetch", prefetch, minimum=0)
         if self._generate_auto:
-            self.generate_ahead = self._auto_generate_ahead(self.prefetch)
+            self.generate_ahead = _auto_generate_ahead(self.source, self.prefetch)
 
     def set_producers(self, producers: int) -> None:
         """Produce ``producers`` shards at once (the ``memory_budget`` tuner), within the
@@ -355,6 +346,16 @@ class ShardStream(Closing):
     def close(self) -> None:
         """Stop producers, kill running generators and release everything; idempotent."""
         self._finalizer()
+
+
+def _auto_generate_ahead(source: Source, prefetch: int) -> int:
+    """``generate_ahead='auto'`` for ``prefetch``: two windows' worth, within the
+    ``cache_limit``."""
+    ahead = 2 * (prefetch + 1)
+    room = source.cache_room
+    if room is not None:  # shards made ahead must not be evicted before they are read
+        ahead = max(0, min(ahead, room - prefetch - 2))
+    return ahead
 
 
 def _fixed_generate_ahead(generate_ahead: int | str, caches: bool) -> int:

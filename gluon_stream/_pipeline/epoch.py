@@ -135,113 +135,122 @@ class EpochPass:
 
     def __iter__(self) -> Generator[Any, None, None]:
         if self.start.position.end:  # the rest of an ended epoch: nothing
-            return self._ended()
+            self.finished = True
+            return _nothing()
         return self._batches()
-
-    def _ended(self) -> Generator[Any, None, None]:
-        self.finished = True
-        return
-        yield
 
     # -- the epoch's batches ----------------------------------------------------------------
     def _batches(self) -> Generator[Any, None, None]:
-        stream, path, settings, start = self.stream, self.path, self.settings, self.start
-        position = start.position
+        stream, settings, start = self.stream, self.settings, self.start
         if self.even is not None and self.even.reached(start.delivered):  # a limit of 0
             if settings.epoch_samples is None:
                 stream.set_epoch(start.epoch + 1)
-            self.at.advance(position.ended(), start.delivered, ())
+            self.at.advance(start.position.ended(), start.delivered, ())
             self.finished = True
             return
-        stats = stream.stats
-        clock = stats.clock
-        record = stats.new_epoch(start.epoch)
-        self._clock = _LoopClock(clock, record)
+        record = stream.stats.new_epoch(start.epoch)
+        self._clock = _LoopClock(stream.stats.clock, record)
         bar = (ProgressBar(start.epoch, self.expected,
                            live=True if settings.progress == "live" else None)
                if settings.progress else None)
-        worker_wait = path.wait_s
+        worker_wait = self.path.wait_s
         runs: list[tuple[EpochRun, UnitFeed]] = []
-        handover, self.handover = self.handover, None
         try:
-            carry = self.carry if self.carry is not None else \
-                self.rebuild.carry(position.carry, start.skipped)
-            self.carry = carry  # what rolls over at the end, once the planner is done
-            delivered = start.delivered
-            empty = 0  # samples_per_epoch: passes in a row that read no sample
-            while True:  # one run per pass over the keys (several with samples_per_epoch)
-                run, feed = self._start_run(position, carry, record, handover)
-                handover = None
-                runs.append((run, feed))
-                # _deliver counts on from the batches delivered so far and yields the running
-                # count with each batch: the loop carries it into the next run, or the tail
-                for so_far, batch in self._deliver(run, feed, carry, delivered, record, bar):
+            delivered = yield from self._passes(runs, record, bar)
+            yield from self._end(*runs[-1], delivered, record)
+        finally:
+            self._account(runs, record, bar, worker_wait)
+
+    def _passes(self, runs: list[tuple[EpochRun, UnitFeed]], record: EpochRecord,
+                bar: ProgressBar | None) -> Generator[Any, None, int]:
+        """The epoch's batches over its runs: one per pass over the keys (several with
+        samples_per_epoch, which reads on in the next pass until the epoch read its samples);
+        returns the batches delivered."""
+        stream, settings, start = self.stream, self.settings, self.start
+        position = start.position
+        handover, self.handover = self.handover, None
+        carry = self.carry if self.carry is not None else \
+            self.rebuild.carry(position.carry, start.skipped)
+        self.carry = carry  # what rolls over at the end, once the planner is done
+        delivered = start.delivered
+        empty = 0  # samples_per_epoch: passes in a row that read no sample
+        while True:
+            run, feed = self._start_run(position, carry, record, handover)
+            handover = None
+            runs.append((run, feed))
+            # _deliver counts on from the batches delivered so far and yields the running
+            # count with each batch: the loop carries it into the next run, or the tail
+            for so_far, batch in self._deliver(run, feed, carry, delivered, record, bar):
+                delivered = so_far
+                yield batch
+            if self.state.position.end or feed.final is not None or feed.failure is not None:
+                return delivered
+            assert feed.end is not None
+            if settings.epoch_samples is None or feed.end.end:
+                return delivered
+            # samples_per_epoch: the keys ran out before the epoch read its samples
+            if not run.finite:  # an endless key iterator that ended: the stream is over
+                for so_far, batch in self._close(feed, carry, delivered, record, bar):
                     delivered = so_far
                     yield batch
-                if self.state.position.end or feed.final is not None or feed.failure is not None:
-                    break
-                assert feed.end is not None
-                if settings.epoch_samples is None or feed.end.end:
-                    break
-                # samples_per_epoch: the keys ran out before the epoch read its samples
-                if not run.finite:  # an endless key iterator that ended: the stream is over
-                    for so_far, batch in self._close(feed, carry, delivered, record, bar):
-                        delivered = so_far
-                        yield batch
-                    break
-                whole = not position.unit and not position.offset
-                empty = empty + 1 if whole and _empty_pass(stream, feed, position) else 0
-                if empty == EMPTY_PASSES:
-                    whose = (f"gave part {stream.part_index} of {stream.num_parts} no sample"
-                             if stream.deal == "shards" else "held no sample in any shard "
-                             "(every rank stops here alike)")
-                    raise StreamError(
-                        f"samples_per_epoch={settings.epoch_samples}: {EMPTY_PASSES} passes "
-                        f"over the keys in a row (up to pass {run.epoch}) {whose}; are the "
-                        "shards empty (a transform returning 0 rows), or skipped?")
-                position = Position(run.epoch + 1, 0, 0, feed.end.carry, taken=feed.end.taken)
-            run, feed = runs[-1]
-            end = self.state.position if self.state.position.end else feed.end
-            self.at.full_sizes.update(feed.full_sizes)
-            even = self.even
-            count = even.count(self.at.lead(run.index)) if even is not None else None
-            if even is not None and count is not None and delivered < count:
-                assert feed.end is not None
-                stop = Position(run.epoch, feed.end.unit)  # the repeats come after the units
-                yield from self._repeat(even, delivered, count, run, record, stop)
-                end = stop.ended()
-            assert end is not None  # the feed ended (a failure raised above)
-            if settings.epoch_samples is not None and not end.end:
-                end = Position(end.epoch, end.unit, end.offset, end.carry, True, end.taken)
-            elif settings.epoch_samples is not None and settings.window == 1:
-                # the epoch read its samples: the next goes on in this run, in this shard
-                if end.offset and feed.current is not None:
-                    run.push_back(feed.current)
-                self.handover = run
-            self.at.advance(end, self.state.delivered, run.skipped_at)
-            record.complete = True
-            self.finished = True
-            fresh = not start.delivered and position.unit == position.offset == 0
-            if not record.samples and fresh and settings.epoch_samples is None \
-                    and stream.dealer.remainder_of(run.epoch) is None:  # a remainder may hold none
-                logger.warning("epoch %d delivered no samples: %s", run.epoch,
-                               _empty_reason(run, feed, settings.batch_size,
-                                             "even_batches=True" if settings.even is True
-                                             else f"last_batch={settings.last_batch!r}"))
-        finally:
-            for run, feed in runs:
-                if run is not self.handover:
-                    run.cancel()
-                feed.current = None
-                record.skipped_shards += run.skipped
-                record.shard_wait_s += feed.shard_wait_s
-                record.mix_wait_s += feed.mix_wait_s
-            record.worker_wait_s += path.wait_s - worker_wait
-            record.wall_s = clock() - self._clock.start
-            record.producers = stream.producers
-            self._clock.run = self._clock.feed = self.at.run = None  # nothing outlives the pass
-            if bar is not None:
-                bar.close(record)
+                return delivered
+            whole = not position.unit and not position.offset
+            empty = empty + 1 if whole and _empty_pass(stream, feed, position) else 0
+            if empty == EMPTY_PASSES:
+                raise _no_sample_error(stream, settings.epoch_samples, run.epoch)
+            position = Position(run.epoch + 1, 0, 0, feed.end.carry, taken=feed.end.taken)
+
+    def _end(self, run: EpochRun, feed: UnitFeed, delivered: int,
+             record: EpochRecord) -> Generator[Any, None, None]:
+        """The epoch's end after its last run: even_batches' repeats, the state at the end
+        (and, with samples_per_epoch, the run handed to the next epoch), a WARNING for an
+        epoch that gave no sample."""
+        stream, settings, start = self.stream, self.settings, self.start
+        end = self.state.position if self.state.position.end else feed.end
+        self.at.full_sizes.update(feed.full_sizes)
+        even = self.even
+        count = even.count(self.at.lead(run.index)) if even is not None else None
+        if even is not None and count is not None and delivered < count:
+            assert feed.end is not None
+            stop = Position(run.epoch, feed.end.unit)  # the repeats come after the units
+            yield from self._repeat(even, delivered, count, run, record, stop)
+            end = stop.ended()
+        assert end is not None  # the feed ended (a failure raised above)
+        if settings.epoch_samples is not None and not end.end:
+            end = Position(end.epoch, end.unit, end.offset, end.carry, True, end.taken)
+        elif settings.epoch_samples is not None and settings.window == 1:
+            # the epoch read its samples: the next goes on in this run, in this shard
+            if end.offset and feed.current is not None:
+                run.push_back(feed.current)
+            self.handover = run
+        self.at.advance(end, self.state.delivered, run.skipped_at)
+        record.complete = True
+        self.finished = True
+        fresh = not start.delivered and start.position.unit == start.position.offset == 0
+        if not record.samples and fresh and settings.epoch_samples is None \
+                and stream.dealer.remainder_of(run.epoch) is None:  # a remainder may hold none
+            logger.warning("epoch %d delivered no samples: %s", run.epoch,
+                           _empty_reason(run, feed, settings.batch_size,
+                                         "even_batches=True" if settings.even is True
+                                         else f"last_batch={settings.last_batch!r}"))
+
+    def _account(self, runs: list[tuple[EpochRun, UnitFeed]], record: EpochRecord,
+                 bar: ProgressBar | None, worker_wait: float) -> None:
+        """The pass is over (or abandoned): its runs cancelled (but the one handed over), the
+        epoch's record completed, nothing of the pass kept."""
+        for run, feed in runs:
+            if run is not self.handover:
+                run.cancel()
+            feed.current = None
+            record.skipped_shards += run.skipped
+            record.shard_wait_s += feed.shard_wait_s
+            record.mix_wait_s += feed.mix_wait_s
+        record.worker_wait_s += self.path.wait_s - worker_wait
+        record.wall_s = self._clock.now() - self._clock.start
+        record.producers = self.stream.producers
+        self._clock.run = self._clock.feed = self.at.run = None  # nothing outlives the pass
+        if bar is not None:
+            bar.close(record)
 
     def _start_run(self, position: Position, carry: Carry, record: EpochRecord,
                    handover: EpochRun | None = None) -> tuple[EpochRun, UnitFeed]:
@@ -294,31 +303,17 @@ class EpochPass:
                 # more; this batch needs this part's one more, so no other part fills it
                 self.at.advance(self.state.position.ended(), delivered, run.skipped_at)
                 break
-            pad = even.padding(planned) if even is not None else 0
-            if pad:
-                batch = pad_rows(batch, settings.batch_size)
             clock.arrived(planned)
-            if self.origins is not None:  # provenance: before its units may be let go of
-                self.origins.delivered(planned.segments, pad)
-            record.batches += 1
-            record.samples += planned.size
-            stream.stats.add_delivered(carry.sources.count(planned.segments))
-            carry.sources.forget_before(planned.after)
+            batch = self._delivered(planned, batch, delivered, carry, record)
             delivered += 1
-            after = planned.after
-            if even is not None:
-                even.delivered(planned, batch, delivered - 1)
-                if even.reached(delivered):
-                    after = after.ended()
-                elif after.end and settings.epoch_samples is None:  # 'pad': more may follow
-                    after = Position(after.epoch, after.unit)
+            after = planned.after if even is None else \
+                even.after(planned.after, delivered, settings.epoch_samples is None)
             self.at.full_sizes.update(feed.full_sizes)
             self.at.advance(after, delivered, run.skipped_at, units)
             if bar is not None:
                 record.wall_s = clock.now() - clock.start
                 bar.update(record, run.ready_ahead())
             self.names = feed.names
-            self.pad = pad
             yield delivered, batch
             clock.resumed()
             if after.end:
@@ -337,20 +332,28 @@ class EpochPass:
                                                   delivered))
         if self.settings.ctx is not None:
             batch = mx_arrays.place(batch, self.settings.ctx)
-        pad = self.even.padding(final) if self.even is not None else 0
-        if pad:
+        batch = self._delivered(final, batch, delivered, carry, record)
+        self.at.advance(end, delivered + 1, ())
+        yield delivered + 1, batch
+
+    def _delivered(self, planned: Batch, batch: Any, number: int, carry: Carry,
+                   record: EpochRecord) -> Any:
+        """Batch ``number`` of the epoch goes to the loop: padded (``'pad'``), its origins
+        noted (provenance, before its units may be let go of), counted, kept to repeat
+        (even_batches)."""
+        even = self.even
+        self.pad = even.padding(planned) if even is not None else 0
+        if self.pad:
             batch = pad_rows(batch, self.settings.batch_size)
         if self.origins is not None:
-            self.origins.delivered(final.segments, pad)
+            self.origins.delivered(planned.segments, self.pad)
         record.batches += 1
-        record.samples += final.size
-        self.stream.stats.add_delivered(carry.sources.count(final.segments))
-        delivered += 1
-        if self.even is not None:
-            self.even.delivered(final, batch, delivered - 1)
-        self.at.advance(end, delivered, ())
-        self.pad = pad
-        yield delivered, batch
+        record.samples += planned.size
+        self.stream.stats.add_delivered(carry.sources.count(planned.segments))
+        carry.sources.forget_before(planned.after)
+        if even is not None:
+            even.delivered(planned, batch, number)
+        return batch
 
     def _repeat(self, even: EvenBatches, delivered: int, count: int, run: EpochRun,
                 record: EpochRecord, stop: Position) -> Iterator[Any]:
@@ -360,30 +363,19 @@ class EpochPass:
         missing = count - delivered
         data = even.repeat_data
         if data is None and even.repeat:  # resumed while repeating: make that batch again
-            chunks = self.rebuild.chunks(even.repeat, self.start.skipped,
-                                   self.carry.sources if self.carry is not None else None)
-            if self.origins is not None:
-                self.origins.delivered(even.repeat, self.settings.batch_size
-                                       - sum(s.size for s in even.repeat))
-            data = self.path.join(chunks, batch_seed(self.stream.seed, run.epoch,
-                                                     even.repeat_number))
-            if self.settings.ctx is not None:
-                data = mx_arrays.place(data, self.settings.ctx)
-            data = pad_rows(data, self.settings.batch_size)
+            data = self.rebuild.batch(even.repeat, even.repeat_number, run.epoch,
+                                      self.start.skipped, self.carry, self.settings)
         if data is None:  # no batch of its own (dealt nothing): rows of another shard
             data = borrow_batch(self.stream, self.path, self.settings, run, count, self.origins)
         elif self.origins is not None:
             self.origins.repeated()  # the last batch again, all of it padding
         if not even.pad:
-            logger.warning("epoch %d: part %d of %d is %d batch(es) short of the %d every part "
-                           "yields (even_batches=True; %d shard(s) skipped); repeating its last "
-                           "batch %d time(s)", run.epoch, self.stream.part_index,
-                           self.stream.num_parts, missing, count, run.skipped, missing)
+            _warn_short(self.stream, run, missing, count)
         for _ in range(missing):
             record.batches += 1
             delivered += 1
             self.at.advance(stop.ended() if delivered >= count else stop, delivered,
-                          run.skipped_at)
+                            run.skipped_at)
             self.pad = self.settings.batch_size if even.pad else 0
             yield data
 
@@ -416,6 +408,28 @@ def _placed(batches: Iterator[tuple], path: Any, ctx: Any, record: EpochRecord
         if ahead:
             yield current
         current = following
+
+
+def _nothing() -> Generator[Any, None, None]:
+    yield from ()
+
+
+def _warn_short(stream: Any, run: EpochRun, missing: int, count: int) -> None:
+    logger.warning("epoch %d: part %d of %d is %d batch(es) short of the %d every part yields "
+                   "(even_batches=True; %d shard(s) skipped); repeating its last batch %d "
+                   "time(s)", run.epoch, stream.part_index, stream.num_parts, missing, count,
+                   run.skipped, missing)
+
+
+def _no_sample_error(stream: Any, epoch_samples: int | None, key_pass: int) -> StreamError:
+    """samples_per_epoch: :data:`EMPTY_PASSES` passes in a row gave this part no sample."""
+    whose = (f"gave part {stream.part_index} of {stream.num_parts} no sample"
+             if stream.deal == "shards" else "held no sample in any shard "
+             "(every rank stops here alike)")
+    return StreamError(
+        f"samples_per_epoch={epoch_samples}: {EMPTY_PASSES} passes over the keys in a row (up "
+        f"to pass {key_pass}) {whose}; are the shards empty (a transform returning 0 rows), "
+        "or skipped?")
 
 
 def _empty_pass(stream: Any, feed: UnitFeed, start: Position) -> bool:

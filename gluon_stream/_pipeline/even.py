@@ -12,7 +12,7 @@ from .._mx import arrays as mx_arrays
 from .._mx.padding import pad_rows
 from .._utils.random import batch_seed
 from ..errors import StreamError
-from .batching import Batch, MixedUnit, Segment
+from .batching import Batch, MixedUnit, Position, Segment
 from .contracts import BatchPath
 from .feed import MixedData
 from .state import LoaderState
@@ -66,6 +66,15 @@ class EvenBatches:
         if self.limit is not None or not self.pad or not self.counted:
             return self.limit
         return -(-lead // self.batch_size)
+
+    def after(self, after: Position, delivered: int, ends: bool) -> Position:
+        """Where the epoch stands after ``delivered`` batches, the last one planned to stop
+        at ``after``: ended once the count is reached, not yet with ``'pad'`` where more may
+        follow (``ends``: a position past the units ends the epoch, not with
+        samples_per_epoch)."""
+        if self.reached(delivered):
+            return after.ended()
+        return Position(after.epoch, after.unit) if after.end and ends else after
 
     def delivered(self, batch: Batch, data: Any, number: int) -> None:
         if self.limit is not None or self.pad:  # kept only to repeat it; it pins its shard

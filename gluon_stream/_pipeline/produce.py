@@ -11,42 +11,22 @@ import concurrent.futures as cf
 import contextlib
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from .._utils.columns import names_of, normalize_arrays
 from .._utils.retry import ErrorPolicy
-from ..errors import LoaderClosed, SchemaMismatch, add_note
+from ..errors import LoaderClosed, SchemaMismatch
 from ..records import ShardRecord
 from .admission import Admission, MemoryGate
-from .ahead import GenerationsAhead
-from .offsets import Deferred, RowOffsets
+from .build import PassOf, ShardBuilder, schema_of
+from .offsets import Deferred
 from .producers import ProducerPool
-from .provenance import ShardOrigin
-from .reservations import ShardReservations, copy_bytes
-from .shard import Owned, Prepare, Shard
-
-
-class PassOf(Protocol):
-    """What a producer reads of the pass it makes a shard for (an
-    :class:`~gluon_stream._pipeline.run.EpochRun`)."""
-
-    @property
-    def epoch(self) -> int: ...
-
-    @property
-    def cancelled(self) -> bool: ...
-
-    @property
-    def offsets(self) -> RowOffsets | None: ...  # deal='balanced': the rows before each shard
-
-    @property
-    def ahead(self) -> GenerationsAhead: ...  # its generations ahead, and work waiting
-
+from .reservations import ShardReservations
+from .shard import Prepare, Shard
 
 if TYPE_CHECKING:
-    from ..sources import RawShard, Source
+    from ..sources import Source
     from ..stats import Stats
     from .context import ContextRows
     from .deal import KeyDealer
@@ -57,11 +37,6 @@ __all__ = ["PassOf", "Producer", "schema_of"]
 
 # the stream's logger: its per-shard lines are filtered by this name (docs/memory-budget.md)
 logger = logging.getLogger("gluon_stream.stream")
-
-
-def schema_of(arrays: Sequence[Any]) -> list[tuple[str, tuple]]:
-    """(dtype, trailing shape) of each array: what must agree between shards to batch them."""
-    return [(np.dtype(a.dtype).str, tuple(a.shape[1:])) for a in arrays]
 
 
 class Producer:
@@ -99,9 +74,23 @@ class Producer:
         #: the stream's check (closed, or used from another process than its owner's)
         self.check_open = check_open
         self.tuner = tuner
-        #: context_rows: the previous keys' last rows put before a shard's (None: no context)
-        self.context = context
-        self.keep_origins = False  # provenance=True: each shard keeps its ShardOrigin
+        #: what builds one shard's arrays (raw, context, transform, the part's rows, the form)
+        self.builder = ShardBuilder(source, transform, pool, dealer, sizes, stats, remote,
+                                    context)
+
+    @property
+    def context(self) -> ContextRows | None:
+        """context_rows: the previous keys' last rows put before a shard's (None: none)."""
+        return self.builder.context
+
+    @property
+    def keep_origins(self) -> bool:
+        """provenance=True: each shard keeps its :class:`ShardOrigin` (set by the loader)."""
+        return self.builder.keep_origins
+
+    @keep_origins.setter
+    def keep_origins(self, keep: bool) -> None:
+        self.builder.keep_origins = keep
 
     @property
     def closed(self) -> bool:
@@ -286,7 +275,7 @@ class Producer:
             gate = ShardReservations(
                 adm, lambda: self.closed or (run is not None and run.cancelled),
                 self._res.throttle.released if run is not None else None)
-            shard = self._admitted(key, epoch, index, run, prepare, whole, before, gate)
+            shard = self.builder.build(key, epoch, index, run, prepare, whole, before, gate)
         except Deferred as exc:
             if adm is not None:
                 adm.release()
@@ -305,92 +294,6 @@ class Producer:
             # while workers hold it), else the shard
             weakref.finalize(getattr(shard.arrays, "memory_owner", shard), adm.release)
         return shard
-
-    def _admitted(self, key: Any, epoch: int, index: int, run: PassOf | None,
-                  prepare: Prepare | None, whole: bool, before: int | None,
-                  gate: ShardReservations) -> Shard:
-        lane = self._res.throttle.lane()
-        clock = self.stats.clock
-        t0 = clock()
-        made = self.dealer.made_epoch(epoch, index)
-        # exact from a file's headers where the source can tell (a program's shard, made
-        # first), else the largest raw shard seen
-        peek = self.source.raw_bytes(key, made) \
-            if gate.adm is not None and self._remote is None else None
-        gate.reserve("raw", None if peek is None else peek[0])
-        raw: RawShard = (self.source.produce(key, made) if self._remote is None
-                         else self.source.produce(key, made, executor=self._remote))
-        if peek is not None:  # it was made (or found) by the peek
-            raw.cache_hit, raw.generate_s = peek[1], raw.generate_s + peek[2]
-        gate.made("raw", raw.arrays)
-        if self.context is not None:  # the previous keys' last raw rows, before this shard's
-            self.context.extend(raw, made, self._produce_raw, gate,
-                                lambda: self.closed or (run is not None and run.cancelled))
-        t1 = clock()
-        arrays = raw.arrays
-        owned = raw.owned and self.transform is None  # a transform's output is user code's
-        if self.transform is not None:
-            gate.reserve("transformed")  # the largest seen (the raw shard's size at first)
-            arg = arrays[0] if len(arrays) == 1 else arrays
-            try:
-                value = self.transform(arg)
-            except Exception as exc:
-                add_note(exc, f"gluon_stream: raised by transform on shard {key!r} "
-                              f"(file {raw.path!r}, epoch {epoch})")
-                raise
-            arrays = normalize_arrays(value, what=f"transform output of shard {key!r}")
-            del arg, value  # the transform's output is held by ``arrays`` alone
-            gate.made("transformed", arrays)
-        full_size = len(arrays[0])
-        nbytes = sum(int(getattr(a, "nbytes", 0)) for a in arrays)
-        if run is not None and run.offsets is not None:  # deal='balanced'
-            before = self._rows_before(run, index, full_size)
-        order = None if whole else self.dealer.row_order(key, epoch, full_size, index, before)
-        if run is not None and run.cancelled:
-            raise LoaderClosed("epoch pass cancelled")
-        names = names_of(arrays)
-        source_nbytes = gate.source_bytes()
-        copies = prepare is not None or order is not None
-        if copies:  # its exact bytes, before the copy is made
-            gate.reserve("copy", copy_bytes(arrays, order))
-        if prepare is not None:  # it applies the order while copying (no extra copy)
-            what = f"shard {key!r} (file {raw.path!r}, epoch {epoch})"
-            # the raw shard's let go; arrays the loader owns are handed over as Owned: their
-            # copy may give their memory back (see gluon_stream._mx.consumed)
-            arrays, raw.arrays = (Owned if owned else tuple)(list(arrays)), ()
-            arrays = prepare(arrays, order, what)
-        elif order is not None:
-            arrays = tuple(a[order] for a in arrays)  # not np.take: it copies a strided input
-        # a form that keeps the source arrays (``raw``: a shuffle window's shards) copied none
-        gate.copied(copies and getattr(arrays, "raw", None) is None)
-        shard = Shard(key, epoch, index, arrays, names=names, full_size=full_size,
-                      rows=int(arrays[0].shape[0]), schema=schema_of(arrays),
-                      source_nbytes=source_nbytes)
-        if self.keep_origins:  # provenance: the raw row of each row read
-            shard.origin = ShardOrigin(key, made, order)
-        t2 = clock()
-        gen_end = t0 + raw.generate_s
-        load_end = gen_end + raw.load_s
-        self.stats.add_span(lane, "generate", t0, gen_end, key)
-        self.stats.add_span(lane, "load", gen_end, load_end, key)
-        self.stats.add_span(lane, "transform", max(load_end, t1), t2, key)
-        shard.record = ShardRecord(key, epoch, len(shard), raw.cache_hit, raw.generate_s,
-                                   raw.load_s, t2 - t1, lane, source=raw.source, nbytes=nbytes)
-        return shard
-
-    def _produce_raw(self, key: Any, epoch: int) -> RawShard:
-        """A shard's raw arrays, made as a producer makes them (the context of another)."""
-        if self._remote is None:
-            return self.source.produce(key, epoch)
-        return self.source.produce(key, epoch, executor=self._remote)
-
-    def _rows_before(self, run: PassOf, index: int, full_size: int) -> int:
-        """``deal='balanced'``: tell the run this shard's size and wait for the rows before
-        it, letting another producer work meanwhile (the shard it waits for may need one)."""
-        assert run.offsets is not None
-        rows = self.sizes.rows_dealt(run.epoch, index, full_size)  # a remainder's: rows left
-        with self._res.throttle.released():
-            return run.offsets.before(index, rows, lambda: run.cancelled or self.closed)
 
     def check_schema(self, shard: Shard) -> None:
         """Raise :class:`~gluon_stream.SchemaMismatch` unless ``shard``'s arrays batch with the

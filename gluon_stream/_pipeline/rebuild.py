@@ -6,6 +6,9 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
+from .._mx import arrays as mx_arrays
+from .._mx.padding import pad_rows
+from .._utils.random import batch_seed
 from ..errors import InvalidState
 from .batching import Segment, WindowMixer
 from .contracts import BatchPath
@@ -15,6 +18,7 @@ from .state import check_segment_key
 if TYPE_CHECKING:
     from ..stream import ShardStream
     from .provenance import ProvenanceTracker
+    from .settings import PassSettings
 
 __all__ = ["Rebuild"]
 
@@ -43,6 +47,19 @@ class Rebuild:
         for seg, chunk in zip(segments, self.chunks(segments, skipped, carry.sources)):
             carry.add(seg, chunk)
         return carry
+
+    def batch(self, segments: Sequence[Segment], number: int, epoch: int,
+              skipped: Sequence[tuple[int, int]], carry: Carry | None,
+              settings: PassSettings) -> Any:
+        """Batch ``number`` of ``epoch`` (``segments``), made again: the batch even_batches
+        repeats, after a resume while repeating it; padded to a batch, placed on ``ctx``."""
+        chunks = self.chunks(segments, skipped, carry.sources if carry is not None else None)
+        if self.origins is not None:
+            self.origins.delivered(segments, settings.batch_size - sum(s.size for s in segments))
+        data = self.path.join(chunks, batch_seed(self.stream.seed, epoch, number))
+        if settings.ctx is not None:
+            data = mx_arrays.place(data, settings.ctx)
+        return pad_rows(data, settings.batch_size)
 
     def chunks(self, segments: Sequence[Segment], skipped: Sequence[tuple[int, int]],
                  sources: UnitSources | None = None) -> list[tuple]:
