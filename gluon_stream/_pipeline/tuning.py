@@ -261,42 +261,61 @@ def decide(knobs: Knobs, m: Measured, limits: Limits) -> Decision | None:
     if not m.shard_bytes:
         return None
     room = _room(m, limits)
-    if not _fits(knobs, m, limits):
+    if not _fits(knobs, m, limits):  # rule 1
         return Decision(_largest(knobs, m, limits),
                         f"shards grew to {format_bytes(m.shard_bytes)}: fewer held to stay "
                         f"within the budget of {format_bytes(limits.budget)}", True)
-    if m.busy_waits and m.shards < MIN_SHARDS and not limits.fixed_producers \
-            and knobs.producers < limits.cores:
-        # as producers='auto': the loop waited while every producer was busy, one more at
-        # once (rule 6 decides from more shards, and may add several)
-        wanted = Knobs(max(knobs.prefetch, DEFAULT_PREFETCH, knobs.producers + 1)
-                       if not limits.fixed_prefetch else knobs.prefetch,
-                       knobs.producers + 1, knobs.workers)
-        got = _grown(knobs, wanted, m, limits)
-        if got != knobs:
-            return Decision(got, f"the loop waited for a shard while every producer was busy "
-                                 f"(epoch {m.epoch}); {_held(got, limits)} {room}"
-                                 + (" (it holds no more)" if got != wanted else ""),
-                            got != wanted)
-    if not limits.fixed_prefetch and knobs.prefetch < DEFAULT_PREFETCH:
-        for prefetch in range(DEFAULT_PREFETCH, knobs.prefetch, -1):
-            wanted = replace(knobs, prefetch=prefetch)
-            if _fits(wanted, m, limits):
-                why = "the default prefetch" if prefetch == DEFAULT_PREFETCH else \
-                    "as near the default prefetch as the budget allows"
-                return Decision(wanted, f"{why}: {_held(wanted, limits)} {room}",
-                                prefetch < DEFAULT_PREFETCH)
-    if m.wall_s <= 0:
-        return None
+    decision = _busy_producers(knobs, m, limits, room)  # rule 2
+    if decision is None:
+        decision = _default_prefetch(knobs, m, limits, room)  # rule 3
+    if decision is not None or m.wall_s <= 0:
+        return decision
     share = m.wait_s / m.wall_s
     workers_share = m.worker_wait_s / m.wall_s
     if limits.max_workers and workers_share >= max(WAIT_SHARE, share) and (
             m.shards >= MIN_SHARDS or workers_share >= CLEAR_WAIT_SHARE):
-        return _more_workers(knobs, m, limits, room)
-    if m.shards < MIN_SHARDS:
+        return _more_workers(knobs, m, limits, room)  # rule 4
+    if m.shards < MIN_SHARDS or share < WAIT_SHARE:  # rule 5: production keeps up
         return None
-    if share < WAIT_SHARE:
+    return _more_production(knobs, m, limits, room, share)  # rule 6
+
+
+def _busy_producers(knobs: Knobs, m: Measured, limits: Limits, room: str) -> Decision | None:
+    """Rule 2, as ``producers='auto'``: the loop waited while every producer was busy, one
+    more at once (rule 6 decides from more shards, and may add several)."""
+    if not (m.busy_waits and m.shards < MIN_SHARDS and not limits.fixed_producers
+            and knobs.producers < limits.cores):
         return None
+    wanted = Knobs(max(knobs.prefetch, DEFAULT_PREFETCH, knobs.producers + 1)
+                   if not limits.fixed_prefetch else knobs.prefetch,
+                   knobs.producers + 1, knobs.workers)
+    got = _grown(knobs, wanted, m, limits)
+    if got == knobs:
+        return None
+    return Decision(got, f"the loop waited for a shard while every producer was busy "
+                         f"(epoch {m.epoch}); {_held(got, limits)} {room}"
+                         + (" (it holds no more)" if got != wanted else ""), got != wanted)
+
+
+def _default_prefetch(knobs: Knobs, m: Measured, limits: Limits, room: str) -> Decision | None:
+    """Rule 3: ``prefetch`` rises to its default, or as near it as the budget allows."""
+    if limits.fixed_prefetch or knobs.prefetch >= DEFAULT_PREFETCH:
+        return None
+    for prefetch in range(DEFAULT_PREFETCH, knobs.prefetch, -1):
+        wanted = replace(knobs, prefetch=prefetch)
+        if _fits(wanted, m, limits):
+            why = "the default prefetch" if prefetch == DEFAULT_PREFETCH else \
+                "as near the default prefetch as the budget allows"
+            return Decision(wanted, f"{why}: {_held(wanted, limits)} {room}",
+                            prefetch < DEFAULT_PREFETCH)
+    return None
+
+
+def _more_production(knobs: Knobs, m: Measured, limits: Limits, room: str,
+                     share: float) -> Decision | None:
+    """Rule 6: the loop waited ``share`` of the time for shards: producers rise to keep up
+    with it (with ``prefetch`` as large); when they keep up on average, one more shard ahead
+    absorbs the slow ones."""
     waited = (f"the loop waited {100 * share:.0f} % of its last {m.shards} shards "
               f"(epoch {m.epoch}) for them")
     loop_per_shard = max(m.wall_s - m.wait_s, 1e-9) / m.shards
