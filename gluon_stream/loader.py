@@ -584,7 +584,7 @@ def _batch_path(loader: StreamLoader, retries: int) -> BatchPath:
         if loader.num_workers:
             logger.info("num_workers=%d unused: without batchify_fn/sample_transform, batches "
                         "are slices of a shard prepared in the background", loader.num_workers)
-        return SlicePath(home, mixed=loader.shuffle_window > 1)
+        return SlicePath(home, mixed=loader.shuffle_window > 1, batch_size=loader.batch_size)
     workers: Workers = mx_workers.make_workers(
         loader.num_workers, bool(loader.thread_pool),
         {"sample_transform": loader.sample_transform, "batchify_fn": loader.batchify_fn,

@@ -65,12 +65,15 @@ class SlicePath:
         ctx: The context batches are made in (``cpu``, or ``cpu_pinned`` with ``pin_memory``).
         mixed: Units mix shards (``shuffle_window > 1``): shards stay as made (no copy) until
             their unit gathers its rows straight into its NDArrays.
+        batch_size: A shard of fewer rows (and at most :data:`SMALL_SHARD_BYTES`) stays a numpy
+            copy until its batch is joined: every batch of it joins several shards (a copy
+            anyway), and one NDArray per batch costs less than one per shard and array.
     """
 
     wait_s = 0.0  # batches are slices: the loop never waits for workers
 
-    def __init__(self, ctx: Any, mixed: bool = False) -> None:
-        self.ctx = ctx
+    def __init__(self, ctx: Any, mixed: bool = False, batch_size: int = 0) -> None:
+        self.ctx, self.batch_size = ctx, batch_size
         self._left = 0
         self._feed: UnitFeed | None = None
         # bound methods: the stream compares prepare by identity
@@ -81,13 +84,13 @@ class SlicePath:
         self._copying = threading.Lock()
 
     def _to_ndarrays(self, arrays: tuple, order: np.ndarray | None, what: str) -> tuple:
-        """Producer side: the shard's rows in ``order`` as NDArrays (one copy, off the loop).
-        A small shard (at most :data:`SMALL_SHARD_BYTES`) stays a numpy copy: its batches join
-        many shards, and one NDArray per batch costs less than one per shard and array."""
+        """Producer side: the shard's rows in ``order`` as NDArrays (one copy, off the loop),
+        or a small shard's as a numpy copy (see the class doc)."""
         check_batchable(arrays, what=what)
+        rows = len(arrays[0]) if order is None else len(order)
         if not len(arrays[0]):
             return arrays
-        if sum(int(a.nbytes) for a in arrays) <= SMALL_SHARD_BYTES:
+        if rows < self.batch_size and sum(int(a.nbytes) for a in arrays) <= SMALL_SHARD_BYTES:
             return tuple(np.array(a) if order is None else a[order] for a in arrays)
         consume = _consumed(arrays)
         with self._copying:

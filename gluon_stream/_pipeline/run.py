@@ -205,6 +205,10 @@ class EpochRun:
         ``ahead``: then the next epoch's first shards, and generations ahead."""
         if self.max_pending is not None and capped:
             depth = min(depth, max(1, self.max_pending))
+        if len(self.pending) >= depth and not self.exhausted:  # full: nothing to submit
+            if ahead and self.stream.generate_ahead:
+                self._generate_ahead()
+            return
         submitted: list[cf.Future] = []
         with self.lock:
             self._submit_window(depth, submitted)
@@ -335,6 +339,8 @@ class EpochRun:
         """``fut``'s shard, the wait added to :attr:`last_wait_s`. ``cf.wait``, not
         ``result(timeout=)``: since Python 3.11 ``cf.TimeoutError`` is the built-in
         ``TimeoutError``, so a shard that failed with ShardTimeout would look 'not ready yet'."""
+        if fut.done():  # produced ahead: no wait to count
+            return fut.result()
         start = self.stream.stats.clock()
         try:
             if not fut.done():
