@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import gluon_stream as gs
-from gluon_stream._utils import batchable as _batchable
+from gluon_stream._utils import columns as _batchable
 from gluon_stream.cli import main
 
 

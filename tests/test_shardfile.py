@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 import gluon_stream as gs
-from gluon_stream._utils import batchable as _batchable
+from gluon_stream._utils import columns as _batchable
 from gluon_stream._utils import columns as _columns
 from gluon_stream._utils import files as _files
 

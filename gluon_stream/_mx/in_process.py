@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .._utils.closing import CLOSE_WAIT_S, WAIT_SLICE_S, end_thread_pool
-from .._utils.thread_pool import ThreadPool
+from .._utils.lifecycle import ThreadPool
 from .numpy_mode import numpy_mode
 from .samples import BatchMaker, Refs
 from .worker_deaths import closed_while, too_slow

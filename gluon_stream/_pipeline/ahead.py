@@ -8,7 +8,7 @@ import functools
 import threading
 from typing import Any, Callable, Collection, Protocol
 
-from .cursor import KeyCursor
+from .deal import KeyCursor
 
 __all__ = ["AheadOf", "GenerationsAhead"]
 

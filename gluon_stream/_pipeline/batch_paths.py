@@ -24,9 +24,8 @@ import numpy as np
 from .._mx import arrays as mx_arrays
 from .._mx import shm as mx_shm
 from .._mx.consumed import consumable
-from .._utils.batchable import check_batchable
-from .._utils.columns import ShapedArrays
-from .._utils.thread_pool import ThreadPool
+from .._utils.columns import ShapedArrays, check_batchable
+from .._utils.lifecycle import ThreadPool
 from ..stream import Prepare
 from .batching import Batch, Segment, UnitPlan
 from .contracts import Workers

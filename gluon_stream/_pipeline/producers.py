@@ -14,7 +14,7 @@ from typing import Any, Iterator
 from .._utils import validate as _validate
 from .._utils.closing import CLOSE_WAIT_S, WAIT_SLICE_S, end_thread_pool
 from .._utils.cores import usable_cores
-from .._utils.thread_pool import ThreadPool
+from .._utils.lifecycle import ThreadPool
 from ..errors import LoaderClosed
 from ..sources import Source
 from .tuning import DEFAULT_PREFETCH, start_knobs

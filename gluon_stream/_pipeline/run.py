@@ -19,7 +19,7 @@ from .._utils.closing import WAIT_SLICE_S
 from .._utils.retry import ErrorPolicy
 from ..errors import LoaderClosed
 from .ahead import GenerationsAhead
-from .cursor import END, KeyCursor
+from .deal import END, KeyCursor
 from .offsets import Deferred, RowOffsets, reaches
 from .shard import Prepare, Shard
 

@@ -10,19 +10,24 @@
   child's exit would kill the parent's generators and workers. In the child every registered
   owner is marked as foreign: its finalizer is detached and :func:`check_owner` raises a clear
   error instead of hanging.
+
+:class:`ThreadPool` is the executor whose threads such a close can always find: a Ctrl-C
+cannot make it lose one.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import concurrent.futures.thread  # noqa: F401  (its exit hook first, so ours runs before it)
+import concurrent.futures.thread as cf_thread
 import logging
 import os
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from ..errors import LoaderClosed
 
-__all__ = ["check_owner", "track"]
+__all__ = ["ThreadPool", "check_owner", "track"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,3 +81,45 @@ def _register(hook: Callable[[], None]) -> None:
 _register(_close_all)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
+
+
+# -- thread_pool -------------------------------------------------------------------------------
+#: how long an interrupted start waits to learn whether its thread began; it begins within
+#: microseconds when all is well, so this is reached only if it never will
+START_WAIT_S = 10.0
+
+
+class ThreadPool(cf.ThreadPoolExecutor):
+    """``concurrent.futures.ThreadPoolExecutor`` whose every thread is in ``_threads`` (joined
+    on shutdown and at exit) from before it starts, so at most ``max_workers`` ever run."""
+
+    def _adjust_thread_count(self) -> None:  # the stdlib's (3.9-3.12), recorded first
+        if self._idle_semaphore.acquire(timeout=0):
+            return
+        if len(self._threads) >= self._max_workers:
+            return
+
+        def weakref_cb(_: Any, q: Any = self._work_queue) -> None:
+            q.put(None)
+
+        began = threading.Event()
+        thread = threading.Thread(
+            name=f"{self._thread_name_prefix or self}_{len(self._threads)}",
+            target=_work, args=(began, weakref.ref(self, weakref_cb), self._work_queue,
+                                self._initializer, self._initargs))
+        threads = cast("set[threading.Thread]", self._threads)  # typeshed: read-only views
+        queues = cast("dict[threading.Thread, Any]", cf_thread._threads_queues)
+        threads.add(thread)
+        queues[thread] = self._work_queue  # joined at exit, as the stdlib's threads
+        try:
+            thread.start()
+        except BaseException:  # KeyboardInterrupt: keep it if it began, as it then runs
+            if not began.wait(START_WAIT_S):
+                threads.discard(thread)
+                queues.pop(thread, None)
+            raise
+
+
+def _work(began: threading.Event, *args: Any) -> None:
+    began.set()
+    cf_thread._worker(*args)

@@ -11,12 +11,12 @@ import shlex
 import sys
 from typing import Any, Sequence
 
-from .._pipeline.keys import validate_key
 from .._utils.progress import make_tqdm
 from ..cache import SUFFIXES as SHARD_SUFFIXES
 from ..cache.failures import RECORDED
 from ..errors import StreamError
 from ..sources import CommandSource
+from ..sources._keys import validate_key
 from ._args import (
     UsageError,
     ensure_writable_dir,

@@ -18,7 +18,7 @@ import glob
 import os
 from typing import Any, Sequence
 
-from .._utils.batchable import check_batchable
+from .._utils.columns import check_batchable
 from ..errors import StreamError, UnbatchableShard
 from ..shardfile import inspect_shard
 from ..sources.files import expand_paths

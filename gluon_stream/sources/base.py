@@ -16,13 +16,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
-from .._pipeline.keys import Keys, check_keys, keys_for_epoch, validate_key
 from .._utils import validate as _validate
 from .._utils.closing import Closing
 from ..cache import ShardCache, make_cache
 from ..cache.recipe import recipe_digest
 from ..errors import CorruptShard, LoaderClosed, ShardError, UnsafeKey, UnsafeShard
 from ..shardfile import inspect_shard, load_shard
+from ._keys import Keys, check_keys, keys_for_epoch, validate_key
 
 __all__ = ["CachingSource", "LOAD_ATTEMPTS", "NAMESPACE_SEPARATOR", "RawShard", "Source",
            "header_bytes", "run_elsewhere"]

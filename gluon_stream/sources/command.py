@@ -8,7 +8,6 @@ import re
 import stat
 from typing import Any, Mapping, Sequence
 
-from .._pipeline.keys import Keys, validate_key
 from .._utils import validate as _validate
 from .._utils.files import discard_path, is_disk_full
 from .._utils.retry import RetryPolicy
@@ -16,6 +15,7 @@ from ..cache import SUFFIXES
 from ..cache.recipe import recipe_digest
 from ..errors import CommandNotFound, CorruptShard, ShardError, ShardTimeout, UnsafeShard
 from ..shardfile import inspect_shard
+from ._keys import Keys, validate_key
 from ._process import ProgramRunner
 from .base import CachingSource
 

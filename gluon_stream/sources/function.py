@@ -8,10 +8,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .._pipeline.keys import Keys
 from .._utils.columns import normalize_arrays
 from ..errors import ShardError, StreamError
 from ..shardfile import write_shard
+from ._keys import Keys
 from .base import CachingSource, RawShard, run_elsewhere
 
 __all__ = ["FunctionSource"]

@@ -40,10 +40,10 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .._pipeline.keys import validate_key
 from .._utils import validate as _validate
 from .._utils.random import key_hash, seeded_rng
 from ..errors import UnsafeKey, add_note
+from ._keys import validate_key
 from .base import NAMESPACE_SEPARATOR, CachingSource, RawShard, Source
 
 __all__ = ["MixSource", "cycled", "interleave", "largest_remainder"]
