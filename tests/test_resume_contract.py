@@ -17,9 +17,8 @@ import numpy as np
 import pytest
 
 import gluon_stream as gs
-from gluon_stream._pipeline.batching import BatchPlanner, Position, WindowMixer
-
 from _helpers import batch_ids
+from gluon_stream._pipeline.batching import BatchPlanner, Position, WindowMixer
 
 
 class Adapter:
