@@ -38,7 +38,7 @@ from .metrics import Metrics, MetricsExporter
 from .shardfile import inspect_shard, load_shard, write_shard
 from .sources import CommandSource, FileSource, FunctionSource, MixSource, Source
 from .stats import EpochRecord, ShardRecord, Stats, TuningRecord
-from .stream import EpochRun, Shard, ShardStream
+from .stream import Shard, ShardStream
 
 __all__ = [
     "BatchTimeout",
@@ -50,7 +50,6 @@ __all__ = [
     "CorruptShard",
     "Diagnosis",
     "EpochRecord",
-    "EpochRun",
     "FileSource",
     "FunctionSource",
     "InvalidState",
