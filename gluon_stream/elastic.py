@@ -26,7 +26,7 @@ __all__ = ["FIXED_SETTINGS", "load_any", "load_merged", "merge_states", "remaind
 #: Settings an elastic resume keeps (the world size, ``batch_size`` and ``num_workers`` may
 #: change; the deal of the shards follows the world size).
 FIXED_SETTINGS = ("seed", "shuffle", "last_batch", "shuffle_window", "even_batches",
-                  "samples_per_epoch")
+                  "samples_per_epoch", "context_rows")  # context_rows: saved only where set
 def merge_states(states: Sequence[Mapping[str, Any]], *,
                  synchronous: bool | None = None) -> dict:
     """One state that any rank of any world size loads, from the states of all ranks of a job
@@ -72,7 +72,7 @@ def merge_states(states: Sequence[Mapping[str, Any]], *,
     started = not left and all(_epoch_of(s) != s["epoch"] for s in by_rank)
     out: dict = {"version": STATE_VERSION, "elastic": spec, "epoch": epoch + started,
                  "end": not left and not started,
-                 "settings": {name: first.get(name) for name in FIXED_SETTINGS}}
+                 "settings": {name: first.get(name) for name in FIXED_SETTINGS if name in first}}
     out["digest"] = checksum(out)
     return out
 

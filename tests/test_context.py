@@ -373,3 +373,30 @@ def test_len_follows_a_key_list_that_changes_between_epochs():
         loader.set_epoch(3)  # not from another epoch's: unknown until seen, or declared
         with pytest.raises(gs.SizeUnknown):
             len(loader)
+
+
+
+def test_a_state_saved_with_context_is_refused_by_a_loader_without_it():
+    """The samples a state's position counts were made with context: a loader without it
+    would read them otherwise (the same key yields other samples), so it refuses the state,
+    plain or merged from the ranks, naming the setting."""
+    def make(part, parts=2, context=True):
+        extra = {"context_rows": 2} if context else {}
+        return gs.StreamLoader(gs.FunctionSource(range(4), lambda k: np.arange(5.0) + 10 * k),
+                               batch_size=2, transform=lambda raw: raw[2:] + raw[:-2],
+                               num_parts=parts, part_index=part, seed=0, **extra)
+
+    states = []
+    for part in range(2):
+        with make(part) as rank:
+            next(iter(rank))
+            states.append(rank.state_dict())
+    merged = gs.merge_states(states)
+    with make(0, context=False) as plain:
+        with pytest.raises(gs.InvalidState, match="context_rows"):
+            plain.load_state_dict(states[0])
+    with make(0, parts=1, context=False) as resized:
+        with pytest.raises(gs.InvalidState, match="context_rows"):
+            resized.load_state_dict(merged)
+    with make(0, parts=1) as resized:  # with the same context it resumes
+        resized.load_state_dict(merged)

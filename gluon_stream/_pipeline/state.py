@@ -184,6 +184,8 @@ def decode_state(state: Any, settings: Mapping[str, Any], batch_size: int,
     saved = state["settings"]
     differ = {k: (saved.get(k), v) for k, v in settings.items()
               if not isinstance(saved, Mapping) or saved.get(k) != v}
+    if isinstance(saved, Mapping):  # a setting saved only where set (context_rows), unset here
+        differ.update({k: (v, None) for k, v in saved.items() if k not in settings and v})
     if differ:
         raise InvalidState(f"state was saved by a loader with other settings "
                            f"(saved, this one): {differ}; build the loader as before")
