@@ -26,11 +26,10 @@ from .._mx import shm as mx_shm
 from .._mx.consumed import consumable
 from .._utils.columns import ShapedArrays, check_batchable
 from .._utils.lifecycle import ThreadPool
-from ..stream import Prepare
 from .batching import Batch, Segment, UnitPlan
 from .contracts import Workers
 from .feed import Carry, MixedData, UnitFeed
-from .shard import owned_each
+from .shard import Prepare, owned_each
 
 __all__ = ["SMALL_SHARD_BYTES", "Ordered", "SamplePath", "SlicePath"]
 

@@ -6,11 +6,11 @@ from typing import Any, Iterator, Protocol
 
 from ..errors import SizeUnknown
 from ..sources import Source
-from ..stream import ShardStream
 from .batching import LastBatch, Position
 from .ranks import even_count
 from .remainder import Remainder
 from .sizes import ShardSizes
+from .stream import ShardStream
 
 __all__ = ["BatchCounts"]
 

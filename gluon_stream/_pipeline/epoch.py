@@ -21,7 +21,6 @@ from .._utils.progress import ProgressBar
 from .._utils.random import batch_seed
 from ..errors import StreamError
 from ..records import EpochRecord
-from ..stream import EpochRun, ShardStream
 from .batching import Batch, BatchPlanner, Position, WindowMixer
 from .contracts import BatchPath
 from .even import EvenBatches, borrow_batch
@@ -30,8 +29,10 @@ from .keys import EMPTY_PASSES
 from .pass_state import PassState
 from .provenance import ProvenanceTracker
 from .rebuild import Rebuild
+from .run import EpochRun
 from .settings import PassSettings
 from .state import LoaderState
+from .stream import ShardStream
 
 __all__ = ["EpochPass", "PassSettings"]
 

@@ -18,10 +18,10 @@ from .feed import MixedData
 from .state import LoaderState
 
 if TYPE_CHECKING:
-    from ..stream import ShardStream
     from .provenance import ProvenanceTracker
     from .run import EpochRun
     from .settings import PassSettings
+    from .stream import ShardStream
 
 __all__ = ["EvenBatches", "borrow_batch"]
 

@@ -21,9 +21,10 @@ import numpy as np
 from .._utils.validate import every_nth
 from ..errors import LoaderClosed, StreamError
 from ..records import EpochRecord
-from ..stream import EpochRun, Shard
 from .batching import Batch, BatchPlanner, MixedUnit, Position, Segment, UnitPlan, WindowMixer
 from .provenance import ProvenanceTracker
+from .run import EpochRun
+from .shard import Shard
 
 __all__ = ["Carry", "EMPTY_SHARDS", "FeedState", "MixedData", "UnitFeed", "UnitSources",
            "WindowFeed"]

@@ -13,9 +13,9 @@ from .settings import PassSettings
 from .state import LoaderState
 
 if TYPE_CHECKING:
-    from ..stream import ShardStream
     from .even import EvenBatches
     from .run import EpochRun
+    from .stream import ShardStream
 
 __all__ = ["PassState"]
 

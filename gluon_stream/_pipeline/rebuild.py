@@ -16,9 +16,9 @@ from .feed import Carry, MixedData, UnitSources
 from .state import check_segment_key
 
 if TYPE_CHECKING:
-    from ..stream import ShardStream
     from .provenance import ProvenanceTracker
     from .settings import PassSettings
+    from .stream import ShardStream
 
 __all__ = ["Rebuild"]
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 
 from ..errors import InvalidState
-from ..stream import EpochRun, ShardStream
 from .batching import Position, Segment
 from .epoch import EpochPass
 from .feed import Carry
 from .quotas import PartStream, endless_drawn
+from .run import EpochRun
 from .state import LoaderState
+from .stream import ShardStream
 
 __all__ = ["PassStarts"]
 
