@@ -144,9 +144,9 @@ def load_merged(state: Mapping[str, Any], settings: Mapping[str, Any],
     if state["elastic"] is None:  # every rank ended the epoch: the next starts afresh
         # samples_per_epoch: where a fresh job of this world size starts it in the stream
         return LoaderState(Position(epoch, end=bool(state["end"])),
-                           stream_epoch=epoch if fixed else None, fresh=fixed), None
+                           loader_epoch=epoch if fixed else None, fresh=fixed), None
     remainder = resolve(state["elastic"], keys_of, endless_of, size_of=size_of)
-    return LoaderState(Position(epoch), stream_epoch=epoch if fixed else None), remainder
+    return LoaderState(Position(epoch), loader_epoch=epoch if fixed else None), remainder
 
 
 def load_any(state: Any, settings: Mapping[str, Any], stream: ShardStream,

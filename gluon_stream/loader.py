@@ -32,7 +32,7 @@ from ._pipeline.batch_paths import SamplePath, SlicePath
 from ._pipeline.batching import LAST_BATCH_MODES, LastBatch
 from ._pipeline.contracts import BatchPath, Workers
 from ._pipeline.counts import BatchCounts
-from ._pipeline.epoch import EpochPass, PassSettings
+from ._pipeline.epoch import LoaderEpoch, PassSettings
 from ._pipeline.provenance import Provenance, ProvenanceTracker
 from ._pipeline.ranks import choose_deal
 from ._pipeline.sizes import ShardSizes
@@ -268,14 +268,14 @@ class StreamLoader(Closing):
                                       self.even_batches, progress,
                                       None if self.shards_on_ctx else self.ctx,
                                       self.samples_per_epoch)
-        self._res = _LoaderResources(stream, owns, path)
+        self._resources = _LoaderResources(stream, owns, path)
         if stream.tuner is not None:  # what the loader holds besides shards
             _watch(self, stream.tuner, path)
         _describe(self, remote)
         # provenance=True: shards keep their row order, the passes note their batches' units
         self._origins = _tracker(provenance)
         stream.producer.keep_origins |= self._origins is not None
-        self._finalizer = weakref.finalize(self, self._res.close)
+        self._finalizer = weakref.finalize(self, self._resources.close)
         track(self, self._finalizer)
 
     # -- public API -----------------------------------------------------------------------
@@ -373,12 +373,12 @@ class StreamLoader(Closing):
 
     def _check_open(self) -> None:
         check_owner(self, "StreamLoader")
-        if self._res.closed:
+        if self._resources.closed:
             raise LoaderClosed("this StreamLoader is closed; create a new one")
         self.stream.check_open()
 
 
-def _new_pass(loader: StreamLoader) -> EpochPass:
+def _new_pass(loader: StreamLoader) -> LoaderEpoch:
     """The loader's next pass: from where it stands (a loaded state, the last pass's carry and
     the run it handed over), its batches counted where the bar or even_batches need them."""
     start, carry, handover = loader._starts.begin()
@@ -387,7 +387,7 @@ def _new_pass(loader: StreamLoader) -> EpochPass:
     limit = None if end else counts.even_limit(start.epoch)
     expected = counts.batches(start.epoch, start.position.carried) \
         if loader.progress and not end else None
-    new = EpochPass(loader.stream, loader._path, loader._settings, start, limit, expected,
+    new = LoaderEpoch(loader.stream, loader._path, loader._settings, start, limit, expected,
                     carry, handover)
     new.origins = loader._origins
     return new

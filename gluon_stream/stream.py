@@ -6,8 +6,11 @@ stages (the keys' deal and production, in :mod:`gluon_stream._pipeline`): see
 """
 from __future__ import annotations
 
-from ._pipeline.run import EpochRun, RunState
+from ._pipeline.run import KeyPass, RunState
 from ._pipeline.shard import Prepare, Shard
 from ._pipeline.stream import ShardStream
 
-__all__ = ["EpochRun", "Prepare", "RunState", "Shard", "ShardStream"]
+__all__ = ["EpochRun", "KeyPass", "Prepare", "RunState", "Shard", "ShardStream"]
+
+#: the name of :class:`KeyPass` before 0.2 (one pass over an epoch's keys, not a loader's epoch)
+EpochRun = KeyPass

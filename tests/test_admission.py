@@ -162,7 +162,7 @@ def test_a_shard_whose_submitter_lost_its_future_gives_its_memory_back(monkeypat
     gate_seen: list = []
     stream = gs.ShardStream(gs.FunctionSource(range(4), lambda key: np.ones((64, 4))),
                             memory_budget=64 << 20, prefetch=1, producers=1)
-    executor = stream._res.executor
+    executor = stream._pool.executor
     submit = executor.submit
 
     def submit_then_interrupt(*args, **kwargs):

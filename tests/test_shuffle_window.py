@@ -226,10 +226,10 @@ def test_a_failure_met_while_looking_ahead_is_raised_where_the_loop_reaches_it(p
             deferred.append(self._deferred)
 
     monkeypatch.setattr(feed.WindowFeed, "_look_ahead", spy)
-    monkeypatch.setattr(stream.EpochRun, "has_shard", lambda self: self.ready())  # always ahead
+    monkeypatch.setattr(stream.KeyPass, "has_shard", lambda self: self.ready())  # always ahead
     ahead = run()
     assert deferred, "the look-ahead never met the failing shard"
-    monkeypatch.setattr(stream.EpochRun, "has_shard", lambda self: False)  # never ahead
+    monkeypatch.setattr(stream.KeyPass, "has_shard", lambda self: False)  # never ahead
     assert ahead == run() and ahead  # the same batches, then the same error
 
 

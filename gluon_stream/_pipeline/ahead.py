@@ -36,7 +36,7 @@ class _Generating(Protocol):
 
 class AheadOf(Protocol):
     """What :class:`GenerationsAhead` reads of its pass (an
-    :class:`~gluon_stream._pipeline.run.EpochRun`)."""
+    :class:`~gluon_stream._pipeline.run.KeyPass`)."""
 
     @property
     def stream(self) -> _Generating: ...

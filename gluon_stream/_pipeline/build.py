@@ -33,7 +33,7 @@ __all__ = ["PassOf", "ShardBuilder", "schema_of"]
 
 class PassOf(Protocol):
     """What a producer reads of the pass it makes a shard for (an
-    :class:`~gluon_stream._pipeline.run.EpochRun`)."""
+    :class:`~gluon_stream._pipeline.run.KeyPass`)."""
 
     @property
     def epoch(self) -> int: ...
@@ -72,13 +72,13 @@ class ShardBuilder:
                  pool: ProducerPool, dealer: KeyDealer, sizes: ShardSizes, stats: Stats,
                  remote: cf.Executor | None, context: ContextRows | None) -> None:
         self.source, self.transform = source, transform
-        self._res, self.dealer, self.sizes, self.stats = pool, dealer, sizes, stats
+        self._pool, self.dealer, self.sizes, self.stats = pool, dealer, sizes, stats
         self._remote, self.context = remote, context
         self.keep_origins = False  # provenance=True: each shard keeps its ShardOrigin
 
     @property
     def closed(self) -> bool:
-        return self._res.closed.is_set()
+        return self._pool.closed.is_set()
 
     def build(self, key: Any, epoch: int, index: int, run: PassOf | None,
               prepare: Prepare | None, whole: bool, before: int | None,
@@ -87,7 +87,7 @@ class ShardBuilder:
         caller's thread), its parts admitted through ``gate`` before they are allocated
         (``whole``: every row in the file's order; ``before``: ``deal='balanced'``, the rows
         before it, where known)."""
-        lane = self._res.throttle.lane()
+        lane = self._pool.throttle.lane()
         clock = self.stats.clock
         t0 = clock()
         made = self.dealer.made_epoch(epoch, index)
@@ -145,7 +145,7 @@ class ShardBuilder:
         it, letting another producer work meanwhile (the shard it waits for may need one)."""
         assert run.offsets is not None
         rows = self.sizes.rows_dealt(run.epoch, index, full_size)  # a remainder's: rows left
-        with self._res.throttle.released():
+        with self._pool.throttle.released():
             return run.offsets.before(index, rows, lambda: run.cancelled or self.closed)
 
     def _raw(self, key: Any, made: int, run: PassOf | None,

@@ -2,7 +2,7 @@
 
 A pass (:mod:`gluon_stream._pipeline.epoch`) drives a :class:`BatchPath` (planned batches into data:
 slices of a unit, or per-sample work); the per-sample path drives :class:`Workers` (inline,
-threads or processes); a pass's shards come from an :class:`~gluon_stream.stream.EpochRun`,
+threads or processes); a pass's shards come from an :class:`~gluon_stream.stream.KeyPass`,
 which drives the stream's producer side through
 :class:`gluon_stream._pipeline.run.ShardMaker` (it lives beside the run: these contracts name
 the feed's types, which name the run). The shard cache's contract is

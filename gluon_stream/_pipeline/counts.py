@@ -91,7 +91,7 @@ class BatchCounts:
         With ``'pad'``: the largest part's batches, the last one short; None where that is
         only known once the epoch's shards are seen (``deal='strides'``, or one part).
         ``deal='balanced'`` without the sizes: None, the pass stops where every part can no
-        longer fill a batch (see :meth:`~gluon_stream._pipeline.run.EpochRun.reaches`)."""
+        longer fill a batch (see :meth:`~gluon_stream._pipeline.run.KeyPass.reaches`)."""
         stream = self.stream
         if self._fixed(epoch):  # every part reads as many samples
             return None

@@ -1,10 +1,10 @@
 """One pass over an epoch: the stages wired together, batches yielded, and where it stands.
 
-A pass wires an epoch's stages: the stream's :class:`~gluon_stream.stream.EpochRun` (shards in
+A pass wires an epoch's stages: the stream's :class:`~gluon_stream.stream.KeyPass` (shards in
 order), a feed (units: shards, or the mixed units of a shuffle window), the
 :class:`~gluon_stream._pipeline.batching.BatchPlanner` (which samples form which batch), a batch
 path (slices, or per-sample work on workers) and, with even_batches, :class:`EvenBatches`. Each
-stage owns its position; :attr:`EpochPass.state` composes them after the last batch yielded, so a
+stage owns its position; :attr:`LoaderEpoch.state` composes them after the last batch yielded, so a
 :class:`~gluon_stream._pipeline.state.LoaderState` taken between any two batches, the last one
 included, resumes exactly.
 """
@@ -29,12 +29,12 @@ from .keys import EMPTY_PASSES
 from .pass_state import PassState
 from .provenance import ProvenanceTracker
 from .rebuild import Rebuild
-from .run import EpochRun
+from .run import KeyPass
 from .settings import PassSettings
 from .state import LoaderState
 from .stream import ShardStream
 
-__all__ = ["EpochPass", "PassSettings"]
+__all__ = ["LoaderEpoch", "PassSettings"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +44,13 @@ class _LoopClock:
     def __init__(self, clock: Any, record: EpochRecord) -> None:
         self.now, self.record = clock, record
         self.start = self.waiting_since = clock()
-        self.run: EpochRun | None = None
+        self.run: KeyPass | None = None
         self.feed: UnitFeed | None = None
         self._arrived = self.start
         self._last_unit: Any = None
         self._shard_wait, self._waits = 0.0, 0
 
-    def new_run(self, run: EpochRun, feed: UnitFeed) -> None:
+    def new_run(self, run: KeyPass, feed: UnitFeed) -> None:
         self.run, self.feed = run, feed
         self._last_unit, self._shard_wait, self._waits = None, 0.0, 0
 
@@ -81,7 +81,7 @@ class _LoopClock:
         self.run.stream.stats.add_span("train", name, start, end)
 
 
-class EpochPass:
+class LoaderEpoch:
     """One pass over epoch ``start.epoch`` from ``start`` (see the module doc).
 
     Iterate it once. :attr:`state` is where the pass stands after the last batch it yielded
@@ -90,7 +90,7 @@ class EpochPass:
 
     def __init__(self, stream: ShardStream, path: BatchPath, settings: PassSettings,
                  start: LoaderState, limit: int | None, expected: int | None = None,
-                 carry: Carry | None = None, handover: EpochRun | None = None) -> None:
+                 carry: Carry | None = None, handover: KeyPass | None = None) -> None:
         remainder = stream.dealer.remainder_of(start.position.epoch)
         #: samples_per_epoch after an elastic resume: the rest of the interrupted epoch is the
         #: remainder's pieces, read as one pass of the keys' kind (its end is the epoch's)
@@ -155,14 +155,14 @@ class EpochPass:
                            live=True if settings.progress == "live" else None)
                if settings.progress else None)
         worker_wait = self.path.wait_s
-        runs: list[tuple[EpochRun, UnitFeed]] = []
+        runs: list[tuple[KeyPass, UnitFeed]] = []
         try:
             delivered = yield from self._passes(runs, record, bar)
             yield from self._end(*runs[-1], delivered, record)
         finally:
             self._account(runs, record, bar, worker_wait)
 
-    def _passes(self, runs: list[tuple[EpochRun, UnitFeed]], record: EpochRecord,
+    def _passes(self, runs: list[tuple[KeyPass, UnitFeed]], record: EpochRecord,
                 bar: ProgressBar | None) -> Generator[Any, None, int]:
         """The epoch's batches over its runs: one per pass over the keys (several with
         samples_per_epoch, which reads on in the next pass until the epoch read its samples);
@@ -201,7 +201,7 @@ class EpochPass:
                 raise _no_sample_error(stream, settings.epoch_samples, run.epoch)
             position = Position(run.epoch + 1, 0, 0, feed.end.carry, taken=feed.end.taken)
 
-    def _end(self, run: EpochRun, feed: UnitFeed, delivered: int,
+    def _end(self, run: KeyPass, feed: UnitFeed, delivered: int,
              record: EpochRecord) -> Generator[Any, None, None]:
         """The epoch's end after its last run: even_batches' repeats, the state at the end
         (and, with samples_per_epoch, the run handed to the next epoch), a WARNING for an
@@ -235,7 +235,7 @@ class EpochPass:
                                          "even_batches=True" if settings.even is True
                                          else f"last_batch={settings.last_batch!r}"))
 
-    def _account(self, runs: list[tuple[EpochRun, UnitFeed]], record: EpochRecord,
+    def _account(self, runs: list[tuple[KeyPass, UnitFeed]], record: EpochRecord,
                  bar: ProgressBar | None, worker_wait: float) -> None:
         """The pass is over (or abandoned): its runs cancelled (but the one handed over), the
         epoch's record completed, nothing of the pass kept."""
@@ -254,7 +254,7 @@ class EpochPass:
             bar.close(record)
 
     def _start_run(self, position: Position, carry: Carry, record: EpochRecord,
-                   handover: EpochRun | None = None) -> tuple[EpochRun, UnitFeed]:
+                   handover: KeyPass | None = None) -> tuple[KeyPass, UnitFeed]:
         """Production of a pass over the keys from ``position`` (going on in the run the last
         epoch handed over, where it fits), and its feed of units."""
         stream, settings, start = self.stream, self.settings, self.start
@@ -277,7 +277,7 @@ class EpochPass:
                                    self.at.lengths)
         return run, UnitFeed(run, planner, carry, self.path, record, closes)
 
-    def _deliver(self, run: EpochRun, feed: UnitFeed, carry: Carry, delivered: int,
+    def _deliver(self, run: KeyPass, feed: UnitFeed, carry: Carry, delivered: int,
                  record: EpochRecord, bar: ProgressBar | None) -> Iterator[tuple[int, Any]]:
         """One run's batches, as the loop gets them: ``(batches delivered, batch)``."""
         stream, path, settings = self.stream, self.path, self.settings
@@ -356,7 +356,7 @@ class EpochPass:
             even.delivered(planned, batch, number)
         return batch
 
-    def _repeat(self, even: EvenBatches, delivered: int, count: int, run: EpochRun,
+    def _repeat(self, even: EvenBatches, delivered: int, count: int, run: KeyPass,
                 record: EpochRecord, stop: Position) -> Iterator[Any]:
         """even_batches: this part is short of the ``count`` every part yields (skipped shards,
         shards smaller than declared; with ``'pad'``, a smaller part); repeat its last batch
@@ -415,7 +415,7 @@ def _nothing() -> Generator[Any, None, None]:
     yield from ()
 
 
-def _warn_short(stream: Any, run: EpochRun, missing: int, count: int) -> None:
+def _warn_short(stream: Any, run: KeyPass, missing: int, count: int) -> None:
     logger.warning("epoch %d: part %d of %d is %d batch(es) short of the %d every part yields "
                    "(even_batches=True; %d shard(s) skipped); repeating its last batch %d "
                    "time(s)", run.epoch, stream.part_index, stream.num_parts, missing, count,
@@ -444,7 +444,7 @@ def _empty_pass(stream: Any, feed: UnitFeed, start: Position) -> bool:
     return feed.end.taken == start.taken
 
 
-def _empty_reason(run: EpochRun, feed: UnitFeed, batch_size: int, rule: str) -> str:
+def _empty_reason(run: KeyPass, feed: UnitFeed, batch_size: int, rule: str) -> str:
     """Why an epoch gave no batch, in words (for its one WARNING; ``rule``: the setting that
     keeps a short batch out)."""
     shards = run.index

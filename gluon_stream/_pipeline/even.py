@@ -19,7 +19,7 @@ from .state import LoaderState
 
 if TYPE_CHECKING:
     from .provenance import ProvenanceTracker
-    from .run import EpochRun
+    from .run import KeyPass
     from .settings import PassSettings
     from .stream import ShardStream
 
@@ -81,7 +81,7 @@ class EvenBatches:
             self.repeat, self.repeat_number, self.repeat_data = batch.segments, number, data
 
 
-def borrow_batch(stream: ShardStream, path: BatchPath, settings: PassSettings, run: EpochRun,
+def borrow_batch(stream: ShardStream, path: BatchPath, settings: PassSettings, run: KeyPass,
              count: int, origins: ProvenanceTracker | None) -> Any:
     """A batch for a part that has none of its own to repeat (it was dealt no sample, or
     its shards failed) while the others yield ``count``: the first ``batch_size`` rows

@@ -3,7 +3,7 @@
 A unit is the thing the :class:`~gluon_stream._pipeline.batching.BatchPlanner` cuts into batches: a
 shard (``shuffle_window=1``), or a :class:`MixedUnit` that mixes the samples of up to k consecutive
 shards (see :class:`~gluon_stream._pipeline.batching.WindowMixer`). :class:`UnitFeed` and
-:class:`WindowFeed` pull the shards from an :class:`~gluon_stream.stream.EpochRun` and hand out
+:class:`WindowFeed` pull the shards from an :class:`~gluon_stream.stream.KeyPass` and hand out
 ``(unit, plan)`` in order; :attr:`UnitFeed.final` is then the epoch's short tail (or the samples
 carried before a failing shard), :attr:`UnitFeed.failure` the error to raise after it.
 """
@@ -23,7 +23,7 @@ from ..errors import LoaderClosed, StreamError
 from ..records import EpochRecord
 from .batching import Batch, BatchPlanner, MixedUnit, Position, Segment, UnitPlan, WindowMixer
 from .provenance import ProvenanceTracker
-from .run import EpochRun
+from .run import KeyPass
 from .shard import Shard
 
 __all__ = ["Carry", "EMPTY_SHARDS", "FeedState", "MixedData", "UnitFeed", "UnitSources",
@@ -164,7 +164,7 @@ class UnitFeed:
     ``cut``).
     """
 
-    def __init__(self, run: EpochRun, planner: BatchPlanner, carry: Carry, path: Any,
+    def __init__(self, run: KeyPass, planner: BatchPlanner, carry: Carry, path: Any,
                  record: EpochRecord, closes: bool = True) -> None:
         self.run, self.planner, self.carry, self.path, self.record = (run, planner, carry,
                                                                       path, record)
@@ -279,7 +279,7 @@ class WindowFeed(UnitFeed):
     where the loop reaches it, as without the look-ahead.
     """
 
-    def __init__(self, run: EpochRun, planner: BatchPlanner, carry: Carry, path: Any,
+    def __init__(self, run: KeyPass, planner: BatchPlanner, carry: Carry, path: Any,
                  record: EpochRecord, mixer: WindowMixer, budget: int,
                  closes: bool = True, lengths: dict | None = None) -> None:
         super().__init__(run, planner, carry, path, record, closes)

@@ -14,7 +14,7 @@ from .state import LoaderState
 
 if TYPE_CHECKING:
     from .even import EvenBatches
-    from .run import EpochRun
+    from .run import KeyPass
     from .stream import ShardStream
 
 __all__ = ["PassState"]
@@ -38,7 +38,7 @@ class PassState:
         # (and those the start state records) a state may refer to
         self.lengths = {(e, u): n for e, u, n in start.unit_lengths}
         self.full_sizes: dict[int, int] = {}  # shard position -> samples, for the lead
-        self.run: EpochRun | None = None
+        self.run: KeyPass | None = None
 
     def advance(self, position: Position, delivered: int, skipped_at: Sequence[int],
                  units: int | None = None) -> None:
@@ -75,7 +75,7 @@ class PassState:
         rows = self.rows_of(first[epoch], max(u for e, u in needed if e == epoch)) \
             if epoch in first else ()
         self.state = LoaderState(position, delivered, tuple(sorted(skipped)), repeat, number,
-                                 lead, self.start.stream_epoch, rows, self.unit_lengths(position))
+                                 lead, self.start.loader_epoch, rows, self.unit_lengths(position))
 
     def unit_lengths(self, position: Position) -> tuple:
         """``shuffle_window > 1``: the lengths of the mixed units ``position`` has read part of

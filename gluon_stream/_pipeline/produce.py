@@ -2,7 +2,7 @@
 order and the consumer's form), in a producer thread or the caller's, its memory admitted
 against ``memory_budget`` part by part before it is allocated.
 
-A :class:`Producer` owns nothing of a pass: the :class:`~gluon_stream._pipeline.run.EpochRun`
+A :class:`Producer` owns nothing of a pass: the :class:`~gluon_stream._pipeline.run.KeyPass`
 that submits a shard owns its future; the stream owns the producer pool and the gate.
 """
 from __future__ import annotations
@@ -66,7 +66,7 @@ class Producer:
                  check_open: Callable[[], None], tuner: Tuner | None = None,
                  context: ContextRows | None = None) -> None:
         self.source, self.transform = source, transform
-        self._res, self.gate, self.dealer, self.sizes = pool, gate, dealer, sizes
+        self._pool, self.gate, self.dealer, self.sizes = pool, gate, dealer, sizes
         self.stats, self.error_policy = stats, error_policy
         self._schema = ([(np.dtype(d).str, tuple(s)) for d, s in schema]
                         if schema is not None else None)
@@ -94,7 +94,7 @@ class Producer:
 
     @property
     def closed(self) -> bool:
-        return self._res.closed.is_set()
+        return self._pool.closed.is_set()
 
     def forget_failure(self, key: Any, epoch: int) -> None:
         """Forget a failure of shard ``key`` recorded in the cache, so that a retry makes it
@@ -179,7 +179,7 @@ class Producer:
         here, in the order the loop needs the shards (a producer that starts a later shard
         first leaves room for the earlier ones)."""
         adm = self._open_admission(key, epoch, index)
-        fut = self._res.executor.submit(self._produce, key, epoch, index, run, prepare, adm)
+        fut = self._pool.executor.submit(self._produce, key, epoch, index, run, prepare, adm)
         if adm is not None:  # never run, or failed: nothing is held
             fut.add_done_callback(lambda f: adm.release() if f.cancelled() or f.exception()
                                   is not None else None)
@@ -195,7 +195,7 @@ class Producer:
         """Generate shard ``key`` of ``epoch`` (at position ``index`` of ``run``'s pass) into
         the cache for ``run`` in a producer thread (it waits there for its turn in the window):
         a future of the seconds it took."""
-        return self._res.executor.submit(self._generate, key, epoch, index, run)
+        return self._pool.executor.submit(self._generate, key, epoch, index, run)
 
     def _produce(self, key: Any, epoch: int, index: int, run: PassOf | None,
                  prepare: Prepare | None, adm: Admission | None = None) -> Shard:
@@ -230,7 +230,7 @@ class Producer:
         with self._placed(run, index, ahead=True):
             if run.cancelled:
                 raise LoaderClosed("epoch pass cancelled")
-            lane = self._res.throttle.lane()
+            lane = self._pool.throttle.lane()
             t0 = self.stats.clock()
             _, hit, seconds = self.source.ensure_file(key, epoch)
             if hit:
@@ -252,13 +252,13 @@ class Producer:
         try:
             if not ahead:
                 got = run.ahead.wait_for(index)  # counts the work as queued once it returns
-            self._res.throttle.take((run.epoch, index))
+            self._pool.throttle.take((run.epoch, index))
         finally:
             run.ahead.unplaced(-1)
         try:
             yield got
         finally:
-            self._res.throttle.give()
+            self._pool.throttle.give()
 
     def _make(self, key: Any, epoch: int, index: int, run: PassOf | None,
               prepare: Prepare | None, whole: bool = False, before: int | None = None,
@@ -274,7 +274,7 @@ class Producer:
             # a producer's place is held only in a pass (produce_now runs in the caller's thread)
             gate = ShardReservations(
                 adm, lambda: self.closed or (run is not None and run.cancelled),
-                self._res.throttle.released if run is not None else None)
+                self._pool.throttle.released if run is not None else None)
             shard = self.builder.build(key, epoch, index, run, prepare, whole, before, gate)
         except Deferred as exc:
             if adm is not None:

@@ -1,4 +1,4 @@
-"""One pass over an epoch's keys (:class:`EpochRun`), and the contract it drives the stream by.
+"""One pass over an epoch's keys (:class:`KeyPass`), and the contract it drives the stream by.
 
 A pass keeps a window of shards submitted to the producers and hands them out in order, with
 the stream's error policy applied where each is waited for. It drives the stream's producer
@@ -30,17 +30,17 @@ if TYPE_CHECKING:
     from .sizes import ShardSizes
     from .tuning import Tuner
 
-__all__ = ["EpochRun", "RunState", "ShardMaker"]
+__all__ = ["KeyPass", "RunState", "ShardMaker"]
 
 # the stream's logger: its per-shard lines are filtered by this name (docs/memory-budget.md)
 logger = logging.getLogger("gluon_stream.stream")
 
 class ShardMaker(Protocol):
-    """The producer side of a :class:`~gluon_stream.ShardStream`, as an :class:`EpochRun`
+    """The producer side of a :class:`~gluon_stream.ShardStream`, as an :class:`KeyPass`
     drives it: what it reads of the stream's configuration, and how it submits work.
 
-    It lives beside :class:`EpochRun`, not in :mod:`.contracts`: the contracts name the
-    feed's types, and the feed names :class:`EpochRun` (an import cycle).
+    It lives beside :class:`KeyPass`, not in :mod:`.contracts`: the contracts name the
+    feed's types, and the feed names :class:`KeyPass` (an import cycle).
 
     Attributes:
         prefetch: Shards produced ahead of the one being consumed.
@@ -72,7 +72,7 @@ class ShardMaker(Protocol):
         """The stream was closed."""
 
     @property
-    def next_run(self) -> EpochRun | None:
+    def next_run(self) -> KeyPass | None:
         """The pass of the next epoch, begun early, if any."""
 
     def check_open(self) -> None:
@@ -84,12 +84,12 @@ class ShardMaker(Protocol):
     def waited(self, key: Any, queued: int = 0) -> None:
         """The consumer had to wait for shard ``key`` (``queued``: shards not started)."""
 
-    def run_ahead(self, epoch: int, prepare: Prepare | None) -> EpochRun:
+    def run_ahead(self, epoch: int, prepare: Prepare | None) -> KeyPass:
         """The pass of the epoch after this one, begun early."""
 
 
 class RunState(enum.IntEnum):
-    """Where an :class:`EpochRun` is in its life: it submits shards while keys are left
+    """Where an :class:`KeyPass` is in its life: it submits shards while keys are left
     (``PRODUCING``), then hands out what it submitted (``EXHAUSTED``: no key left, or the key
     iterator failed), until its consumer is done or a newer pass replaces it (``CANCELLED``:
     queued work dropped, running producers finish and are ignored). It only moves forward."""
@@ -99,7 +99,7 @@ class RunState(enum.IntEnum):
     CANCELLED = 2
 
 
-class EpochRun:
+class KeyPass:
     """One pass over an epoch's keys: a window of futures, handed out in order.
 
     Attributes:
@@ -171,7 +171,7 @@ class EpochRun:
         when the window is filled and whenever a producer finishes)."""
         self.ahead.go_on(self, fut)
 
-    def next_epoch_run(self, doing: str) -> "EpochRun | None":
+    def next_epoch_run(self, doing: str) -> "KeyPass | None":
         """The stream's pass for the next epoch, begun early; None after the last epoch, in
         a pass of endless keys or a cancelled one, or if the next epoch's keys failed (they
         raise again when that epoch starts)."""

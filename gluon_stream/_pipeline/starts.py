@@ -13,10 +13,10 @@ import logging
 
 from ..errors import InvalidState
 from .batching import Position, Segment
-from .epoch import EpochPass
+from .epoch import LoaderEpoch
 from .feed import Carry
 from .quotas import PartStream, endless_drawn
-from .run import EpochRun
+from .run import KeyPass
 from .state import LoaderState
 from .stream import ShardStream
 
@@ -36,7 +36,7 @@ class PassStarts:
         self._fresh: tuple[int, LoaderState] | None = None  # the last fresh_start counted
         self._epoch = 0  # samples_per_epoch: the loader's epoch (the stream's is its key pass)
         self.loaded: LoaderState | None = None  # a state loaded for the next pass
-        self.last: EpochPass | None = None  # the pass in progress, or the last one
+        self.last: LoaderEpoch | None = None  # the pass in progress, or the last one
 
     @property
     def epoch(self) -> int:
@@ -54,7 +54,7 @@ class PassStarts:
         self.loaded, self.last = state, None
         self.set_epoch(state.epoch)
 
-    def begin(self) -> tuple[LoaderState, Carry | None, EpochRun | None]:
+    def begin(self) -> tuple[LoaderState, Carry | None, KeyPass | None]:
         """(start, carry, handover) of a new pass: the carry and the run the last pass left,
         where the new one goes on from them."""
         start = self.next()
@@ -68,7 +68,7 @@ class PassStarts:
         last = self.last if self.last is not None and self.last.finished else None
         carry = last.carry if last is not None and start.position.carry and \
             last.state.position.carry == start.position.carry else None
-        handover = last.handover if last is not None and start.stream_epoch is not None \
+        handover = last.handover if last is not None and start.loader_epoch is not None \
             else None
         return start, carry, handover
 
@@ -116,10 +116,10 @@ class PassStarts:
         if before is not None and before.epoch + 1 == epoch:
             p = before.position
             return LoaderState(Position(p.epoch, p.unit, p.offset, p.carry),
-                               skipped=before.skipped, stream_epoch=epoch,
+                               skipped=before.skipped, loader_epoch=epoch,
                                unit_lengths=before.unit_lengths)
         if before is None and epoch == 0:
-            return LoaderState(Position(0), stream_epoch=0)
+            return LoaderState(Position(0), loader_epoch=0)
         raise InvalidState(
             f"samples_per_epoch={self.samples_per_epoch}: epoch {epoch} starts where epoch "
             f"{epoch - 1} stopped in the stream, which this loader has not reached: iterate the "
@@ -158,6 +158,6 @@ class PassStarts:
         lengths = [] if self.window == 1 else [  # the mixed units a state there names
             (e, u, shards) for e, u in sorted(position.units_read())
             if (shards := part.lengths(e, u)) is not None]
-        start = LoaderState(position, stream_epoch=epoch, unit_lengths=tuple(lengths))
+        start = LoaderState(position, loader_epoch=epoch, unit_lengths=tuple(lengths))
         self._fresh = (epoch, start)
         return start

@@ -54,7 +54,7 @@ class LoaderState:
         repeat_number: That batch's number in the epoch (its random augmentation).
         lead: even_batches='pad' without sizes known ahead: the largest part's samples in the
             shards before the position's, which the batch count every part yields needs.
-        stream_epoch: ``samples_per_epoch``: the loader's epoch, while the position's epoch
+        loader_epoch: ``samples_per_epoch``: the loader's epoch, while the position's epoch
             is the pass over the keys it reads (None: the two are one).
         rows_before: ``deal='balanced'``: ``(position, rows)`` for each shard of the epoch a
             resume reads again or starts from: the rows of the shards before it, which decide
@@ -78,7 +78,7 @@ class LoaderState:
     repeat: tuple[Segment, ...] = ()
     repeat_number: int = 0
     lead: int = 0
-    stream_epoch: int | None = None
+    loader_epoch: int | None = None
     rows_before: tuple[tuple[int, int], ...] = ()
     unit_lengths: UnitLengths = ()
     fresh: bool = False
@@ -86,7 +86,7 @@ class LoaderState:
     @property
     def epoch(self) -> int:
         """The loader's epoch."""
-        return self.position.epoch if self.stream_epoch is None else self.stream_epoch
+        return self.position.epoch if self.loader_epoch is None else self.loader_epoch
 
 
 def keys_digest(keys: Sequence[Any]) -> str:
@@ -136,7 +136,7 @@ def encode_state(state: LoaderState, settings: Mapping[str, Any],
     if state.unit_lengths:
         out["unit_lengths"] = [[epoch, unit, list(lengths)]
                                for epoch, unit, lengths in state.unit_lengths]
-    if state.stream_epoch is not None:  # samples_per_epoch
+    if state.loader_epoch is not None:  # samples_per_epoch
         out["pass"], out["taken"] = position.epoch, position.taken
     if epoch_keys is not None:
         seen = list(epoch_keys[:position.unit + 1])
@@ -189,13 +189,13 @@ def decode_state(state: Any, settings: Mapping[str, Any], batch_size: int,
     if differ:
         raise InvalidState(f"state was saved by a loader with other settings "
                            f"(saved, this one): {differ}; build the loader as before")
-    stream_epoch = None
+    loader_epoch = None
     epoch = _int(state, "epoch")
     if settings.get("samples_per_epoch") is not None:  # the position is in a pass over the keys
-        stream_epoch, epoch = epoch, _int(state, "pass")
+        loader_epoch, epoch = epoch, _int(state, "pass")
     position = Position(epoch, _int(state, "unit"), _int(state, "offset"),
                         _carry(state["carry"], epoch, batch_size), _bool(state, "end"),
-                        _int(state, "taken") if stream_epoch is not None else 0)
+                        _int(state, "taken") if loader_epoch is not None else 0)
     delivered = _int(state, "batches")
     skipped = _positions(state["skipped"], epoch)
     repeat: tuple[Segment, ...] = ()
@@ -215,7 +215,7 @@ def decode_state(state: Any, settings: Mapping[str, Any], batch_size: int,
         first = min([WindowMixer.first_shard(s.unit, window) for s in position.carry + repeat
                      if s.epoch == epoch] + [WindowMixer.first_shard(position.unit, window)])
         _check_drawn(state, epoch, position.unit, key_at, first)
-    return LoaderState(position, delivered, skipped, repeat, number, lead, stream_epoch,
+    return LoaderState(position, delivered, skipped, repeat, number, lead, loader_epoch,
                        rows_before, tuple((e, u, n) for (e, u), n in lengths.items()))
 
 

@@ -9,11 +9,11 @@ GIL, and nothing has to be forked or pickled.
 The contract with a consumer such as :class:`~gluon_stream.StreamLoader` is public:
 :meth:`ShardStream.start_epoch` begins a pass (optionally with a ``prepare`` step that runs in
 the producer threads, e.g. copying the shard into an NDArray) and returns an
-:class:`EpochRun`, whose :meth:`~EpochRun.next_shard` hands out the shards in order. The pass
+:class:`KeyPass`, whose :meth:`~KeyPass.next_shard` hands out the shards in order. The pass
 lives in :mod:`gluon_stream._pipeline.run` and drives the stream through the public methods
 of its :class:`~gluon_stream._pipeline.run.ShardMaker` contract. The stream wires the keys
 stage (:mod:`.deal`) and the production stage (:mod:`.produce`); the public
-:mod:`gluon_stream.stream` names it, ``Shard``, ``EpochRun``, ``RunState`` and ``Prepare``.
+:mod:`gluon_stream.stream` names it, ``Shard``, ``KeyPass``, ``RunState`` and ``Prepare``.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from .deal import KeyDealer
 from .produce import Producer
 from .producers import ProducerPool, first_knobs
 from .remainder import Remainder
-from .run import EpochRun
+from .run import KeyPass
 from .shard import Prepare, Shard
 from .sizes import ShardSizes
 from .tuning import Limits, Tunable, Tuner
@@ -155,7 +155,7 @@ class ShardStream(Closing):
         self.error_policy = ErrorPolicy.parse(on_error)
         self.stats = stats if stats is not None else Stats()
         self.epoch = 0
-        self._next_run: EpochRun | None = None
+        self._next_run: KeyPass | None = None
         #: what is known of the shards' sizes without producing them (len, even_batches)
         self.sizes = ShardSizes(source, transform, shard_sizes, self.deal, self.num_parts,
                                 self.part_index, self.dealer.epoch_keys, self.dealer.remainder_of)
@@ -167,7 +167,7 @@ class ShardStream(Closing):
                                else _fixed_generate_ahead(generate_ahead, caches))
         self.num_epochs = (None if num_epochs is None
                            else _validate.integer("num_epochs", num_epochs, minimum=1))
-        self._res = ProducerPool(source, throttle)
+        self._pool = ProducerPool(source, throttle)
         self._production(budget, Limits(budget or 0, throttle.bound, fixed_prefetch=fixed_prefetch,
                                         fixed_producers=not self.auto_producers), schema, context)
 
@@ -185,17 +185,17 @@ class ShardStream(Closing):
                                self.stats.add_tuning)
             self.tuner.on_rows = self.gate.set_outside
         #: the production stage: shards made in the producer threads or the caller's
-        self.producer = Producer(self.source, self.transform, self._res, self.gate,
+        self.producer = Producer(self.source, self.transform, self._pool, self.gate,
                                  self.dealer, self.sizes, self.stats, self.error_policy, schema,
                                  self._remote, self.check_open, self.tuner, context)
-        self._finalizer = weakref.finalize(self, _close_all, self._res, self.gate)
+        self._finalizer = weakref.finalize(self, _close_all, self._pool, self.gate)
         track(self, self._finalizer)
 
     # -- configuration ------------------------------------------------------------------
     @property
     def producers(self) -> int:
         """Shards produced at once now (with ``'auto'``, it grows up to its bound)."""
-        return self._res.throttle.active
+        return self._pool.throttle.active
 
     def set_prefetch(self, prefetch: int) -> None:
         """Produce ``prefetch`` shards ahead from the next shard on (the ``memory_budget``
@@ -208,12 +208,12 @@ class ShardStream(Closing):
     def set_producers(self, producers: int) -> None:
         """Produce ``producers`` shards at once (the ``memory_budget`` tuner), within the
         producer threads the stream has."""
-        self._res.throttle.set_active(_validate.integer("producers", producers, minimum=1))
+        self._pool.throttle.set_active(_validate.integer("producers", producers, minimum=1))
 
     def idle_producers(self) -> int:
         """Producers free to start a shard now: those that may work at once less those at work
         (below 0 while the ``memory_budget`` tuner's lower count lets shards at work finish)."""
-        throttle = self._res.throttle
+        throttle = self._pool.throttle
         return throttle.active - throttle.running
 
     def waited(self, key: Any, queued: int = 0) -> None:
@@ -221,7 +221,7 @@ class ShardStream(Closing):
         producer is busy (running, or about to run one of the ``queued`` shards) and a core
         is free (the loop, waiting, uses none). With a ``memory_budget`` the tuner decides,
         from this and the budget."""
-        throttle = self._res.throttle
+        throttle = self._pool.throttle
         if self.tuner is not None:
             self.tuner.waited(throttle.running + queued >= throttle.active)
             return
@@ -242,7 +242,7 @@ class ShardStream(Closing):
 
     @property
     def closed(self) -> bool:
-        return self._res.closed.is_set()
+        return self._pool.closed.is_set()
 
     def check_open(self) -> None:
         check_owner(self, "ShardStream")
@@ -269,7 +269,7 @@ class ShardStream(Closing):
 
     def _drop_runs(self) -> None:
         self._next_run = None
-        for run in list(self._res.runs):  # shards made ahead in another order
+        for run in list(self._pool.runs):  # shards made ahead in another order
             run.cancel()
 
     # -- iteration ----------------------------------------------------------------------
@@ -288,8 +288,8 @@ class ShardStream(Closing):
             run.cancel()
 
     def start_epoch(self, skip: int = 0, prepare: Prepare | None = None,
-                    skipped: Sequence[int] = (), reuse: "EpochRun | None" = None,
-                    rows_before: int = 0) -> "EpochRun":
+                    skipped: Sequence[int] = (), reuse: "KeyPass | None" = None,
+                    rows_before: int = 0) -> "KeyPass":
         """Begin producing the current epoch after ``skip`` shards; cancels any unfinished pass.
 
         ``skipped``: positions of shards that failed before (``on_error='skip'``, recorded in a
@@ -309,12 +309,12 @@ class ShardStream(Closing):
         self.epoch += 1  # without set_epoch, the next pass is the next epoch
         if reuse is not None and reuse.epoch == epoch and reuse.index_next() == skip \
                 and not reuse.cancelled and reuse.prepare is prepare and not skipped:
-            for old in list(self._res.runs):
+            for old in list(self._pool.runs):
                 if old is not reuse and old is not self._next_run:
                     old.cancel()
             return reuse
         ahead, self._next_run = self._next_run, None
-        for old in list(self._res.runs):
+        for old in list(self._pool.runs):
             if old is not ahead:
                 old.cancel()
         if (ahead is not None and ahead.epoch == epoch and not skip and not skipped
@@ -325,17 +325,17 @@ class ShardStream(Closing):
         return self._new_run(epoch, skip, prepare, skipped, rows_before)
 
     def _new_run(self, epoch: int, skip: int, prepare: Prepare | None,
-                 skipped: Sequence[int] = (), rows_before: int = 0) -> "EpochRun":
-        run = EpochRun(self, epoch, skip, prepare, skipped, rows_before)
-        self._res.runs.add(run)
+                 skipped: Sequence[int] = (), rows_before: int = 0) -> "KeyPass":
+        run = KeyPass(self, epoch, skip, prepare, skipped, rows_before)
+        self._pool.runs.add(run)
         return run
 
     @property
-    def next_run(self) -> EpochRun | None:
+    def next_run(self) -> KeyPass | None:
         """The pass of the next epoch, begun early while this one ends (None: none is)."""
         return self._next_run
 
-    def run_ahead(self, epoch: int, prepare: Prepare | None) -> EpochRun:
+    def run_ahead(self, epoch: int, prepare: Prepare | None) -> KeyPass:
         """The pass of the epoch after this one, started early to hide its first shards' cost."""
         ahead = self._next_run
         if ahead is None or ahead.epoch != epoch or ahead.prepare is not prepare:
