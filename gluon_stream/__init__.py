@@ -7,9 +7,13 @@ the training loop consumes the current one; batches stay full across shard bound
 Importing gluon_stream does not import MXNet: that happens on first use (a loader, a
 ``StreamIter``), so shard files, sources and ``gluon-stream inspect`` work without it.
 """
+# first: an old setuptools (Python 3.9's) reads setup.cfg's version by importing this package
+# before its dependencies are installed; the version is then found whatever fails after it
+from ._version import __version__
+
+# isort: split
 from ._mx import import_mxnet
 from ._pipeline.provenance import Provenance
-from ._version import __version__
 from .diagnosis import Diagnosis
 from .elastic import merge_states
 from .errors import (

@@ -81,3 +81,30 @@ def test_import_mxnet_is_the_mxnet_module():
     import mxnet
 
     assert gs.import_mxnet() is mxnet
+
+
+def test_the_version_is_read_before_numpy_is_installed(tmp_path):
+    """pip asks an old setuptools (Python 3.9's) for the metadata before the dependencies are
+    installed; it reads ``version = attr: gluon_stream._version.__version__`` by importing the
+    package, which fails on numpy, then takes the submodule imported before the failure. So
+    ``_version`` is the package's first import (the 3.9 smoke run failed when an import sorted
+    before it needed numpy)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import importlib, sys
+        sys.modules["numpy"] = None  # not installed yet
+        try:
+            importlib.import_module("gluon_stream")
+        except ImportError:
+            pass
+        print(importlib.import_module("gluon_stream._version").__version__)
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=root, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == gs.__version__
