@@ -27,8 +27,8 @@ from _helpers import JOIN_S, all_ids, batch_ids, dead, id_shards, wait_for
 from fake_generator import command, hidden_files, read_lines, shard_values
 from fake_generator import command_source as source
 from fake_generator import generator_runs as runs
-from gluon_stream.cache import LocalShardCache, RemoteShardCache, parse_cache_limit
-from gluon_stream.cache import local as cache_local
+from gluon_stream._cache import LocalShardCache, RemoteShardCache, parse_cache_limit
+from gluon_stream._cache import local as cache_local
 
 
 def test_a_corrupt_cached_shard_is_deleted_and_regenerated(tmp_path):
@@ -79,7 +79,7 @@ _CHILD = r"""
 import sys, numpy as np
 sys.path.insert(0, {tests!r})
 import gluon_stream as gs
-from gluon_stream.cache import local as cache_local
+from gluon_stream._cache import local as cache_local
 from fake_generator import command
 real_waiting = cache_local.LocalShardCache._waiting
 def waiting(self, name):  # instrumented: announce the wait for the key's lock
@@ -432,7 +432,7 @@ def test_shards_growing_past_their_reservations_publish_without_waiting(tmp_path
 
 _LOCKER = r"""
 import sys, threading
-from gluon_stream.cache.lock import exclusive
+from gluon_stream._cache.lock import exclusive
 lock, log, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
 closed = threading.Event()
 for _ in range(rounds):
@@ -978,8 +978,8 @@ _SHARER = r"""
 import json, os, sys, threading, time
 import numpy as np
 import gluon_stream as gs
-from gluon_stream.cache import LocalShardCache
-from gluon_stream.cache.room import RESERVATION
+from gluon_stream._cache import LocalShardCache
+from gluon_stream._cache.room import RESERVATION
 
 cache, gate, limit, producers, prefetch, ahead = sys.argv[1:7]
 limit = int(limit) if limit.isdigit() else limit

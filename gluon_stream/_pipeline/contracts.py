@@ -6,7 +6,7 @@ threads or processes); a pass's shards come from an :class:`~gluon_stream.stream
 which drives the stream's producer side through
 :class:`gluon_stream._pipeline.run.ShardMaker` (it lives beside the run: these contracts name
 the feed's types, which name the run). The shard cache's contract is
-:class:`gluon_stream.cache.ShardCache`; a source's is :class:`gluon_stream.Source`. Each
+:class:`gluon_stream._cache.ShardCache`; a source's is :class:`gluon_stream.Source`. Each
 implementation is checked against its Protocol where it is built (an assignment to the
 Protocol's type), so two implementations cannot drift apart in arity unnoticed.
 """

@@ -11,9 +11,9 @@ import shlex
 import sys
 from typing import Any, Sequence
 
+from .._cache import SUFFIXES as SHARD_SUFFIXES
+from .._cache.failures import RECORDED
 from .._utils.progress import make_tqdm
-from ..cache import SUFFIXES as SHARD_SUFFIXES
-from ..cache.failures import RECORDED
 from ..errors import StreamError
 from ..sources import CommandSource
 from ..sources._keys import validate_key

@@ -16,10 +16,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
+from .._cache import ShardCache, make_cache
+from .._cache.recipe import recipe_digest
 from .._utils import validate as _validate
 from .._utils.closing import Closing
-from ..cache import ShardCache, make_cache
-from ..cache.recipe import recipe_digest
 from ..errors import CorruptShard, LoaderClosed, ShardError, UnsafeKey, UnsafeShard
 from ..shardfile import inspect_shard, load_shard
 from ._keys import Keys, check_keys, keys_for_epoch, validate_key
@@ -203,7 +203,7 @@ class CachingSource(Source):
     def agrees_on_failures(self) -> bool:
         """With a local ``cache_dir`` and no ``cache_limit``, every shard is made once for all
         processes sharing the directory, and a failure is recorded beside it (see
-        :mod:`gluon_stream.cache.failures`): they all see the same failures. A ``cache_limit``
+        :mod:`gluon_stream._cache.failures`): they all see the same failures. A ``cache_limit``
         may evict a shard one rank read and make it again, failing, for another."""
         cache = self._cache
         return (cache is not None and getattr(cache, "remembers_failures", False)

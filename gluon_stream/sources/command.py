@@ -8,11 +8,11 @@ import re
 import stat
 from typing import Any, Mapping, Sequence
 
+from .._cache import SUFFIXES
+from .._cache.recipe import recipe_digest
 from .._utils import validate as _validate
 from .._utils.files import discard_path, is_disk_full
 from .._utils.retry import RetryPolicy
-from ..cache import SUFFIXES
-from ..cache.recipe import recipe_digest
 from ..errors import CommandNotFound, CorruptShard, ShardError, ShardTimeout, UnsafeShard
 from ..shardfile import inspect_shard
 from ._keys import Keys, validate_key

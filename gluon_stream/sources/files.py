@@ -7,8 +7,8 @@ import os
 import time
 from typing import Any, Iterator, Sequence
 
+from .._cache import SUFFIXES
 from .._utils.fsspec import downloaded, fsspec, glob_urls, is_url, local_or_url
-from ..cache import SUFFIXES
 from ..errors import CorruptShard
 from ..shardfile import inspect_shard, load_shard
 from .base import RawShard, Source, header_bytes

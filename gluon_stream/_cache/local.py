@@ -85,7 +85,7 @@ ON_CHANGE = ("regenerate", "raise")
 class LocalShardCache(ShardMaking, ShardPublishing):
     """Finished shards in ``cache_dir``; one process generates a key at a time.
 
-    Implements :class:`~gluon_stream.cache.ShardCache`. The cache's parts live beside it, one
+    Implements :class:`~gluon_stream._cache.ShardCache`. The cache's parts live beside it, one
     concept each: the directory's names (:mod:`.layout`), finding a shard (:mod:`.lookup`),
     whether it is stale (:mod:`.staleness`), pins (:mod:`.pins`), last-used times
     (:mod:`.recency`), making (:mod:`.making`) and publishing (:mod:`.publishing`) a shard (the

@@ -59,8 +59,8 @@ ATOMIC_UPLOADS = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "ad
 class RemoteShardCache(LocalShardCache):
     """Finished shards as objects under ``url``; temp and lock files in a local directory.
 
-    Implements :class:`~gluon_stream.cache.ShardCache`; takes the arguments of
-    :class:`~gluon_stream.cache.LocalShardCache`, with ``url`` for its directory. Nothing is
+    Implements :class:`~gluon_stream._cache.ShardCache`; takes the arguments of
+    :class:`~gluon_stream._cache.LocalShardCache`, with ``url`` for its directory. Nothing is
     read or written on the store until the first shard is asked for.
     """
 

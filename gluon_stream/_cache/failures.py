@@ -14,7 +14,7 @@ all of it or none), and read with a size bound as plain JSON: nothing in it is e
 unpickled, and a record that cannot be read counts as none (one WARNING), so the shard is made
 again. It goes when the shard is made (a retry), when the source's recipe differs from the
 recorded one (a changed command, ``env=`` or ``version=``), or when the failures are retried
-(:meth:`~gluon_stream.cache.LocalShardCache.retry_failures`, ``gluon-stream generate
+(:meth:`~gluon_stream._cache.LocalShardCache.retry_failures`, ``gluon-stream generate
 --retry-failed``, or deleting the file).
 
 Not recorded: a program that cannot be started, a full disk, no room under ``cache_limit``, a

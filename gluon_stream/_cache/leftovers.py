@@ -1,7 +1,7 @@
 """What crashed runs leave in a cache directory, removed when a cache opens the directory.
 
 A generation's temp file is named ``.<key>.<pid>.<rand>.tmp<suffix>`` (``temp_path`` of
-:class:`~gluon_stream.cache.LocalShardCache`): one whose writer's pid is gone is removed (a
+:class:`~gluon_stream._cache.LocalShardCache`): one whose writer's pid is gone is removed (a
 directory a generator made at its temp path too); one whose writer is alive is spared. A lock
 file nobody holds (its holder was killed) is removed; a held one is left alone.
 """
