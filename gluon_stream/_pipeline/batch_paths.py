@@ -387,6 +387,8 @@ def _name(unit: Any) -> str:
 def _join(parts: list, ctx: Any) -> tuple:
     """Arrays of a batch from its parts (tuples of NDArrays, or numpy copies of small shards),
     joined along the sample axis: numpy parts are joined in numpy and copied into ``ctx`` once."""
+    if len(parts) == 1 and not isinstance(parts[0][0], np.ndarray):  # one slice: as it is
+        return parts[0]
     return tuple(_join_one(list(arrays), ctx) for arrays in zip(*parts))
 
 
