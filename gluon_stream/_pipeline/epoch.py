@@ -1,12 +1,13 @@
-"""One pass over an epoch: the stages wired together, batches yielded, and where it stands.
+"""One loader epoch: the stages wired together, batches yielded, and where it stands.
 
-A pass wires an epoch's stages: the stream's :class:`~gluon_stream.stream.KeyPass` (shards in
-order), a feed (units: shards, or the mixed units of a shuffle window), the
-:class:`~gluon_stream._pipeline.batching.BatchPlanner` (which samples form which batch), a batch
-path (slices, or per-sample work on workers) and, with even_batches, :class:`EvenBatches`. Each
-stage owns its position; :attr:`LoaderEpoch.state` composes them after the last batch yielded, so a
-:class:`~gluon_stream._pipeline.state.LoaderState` taken between any two batches, the last one
-included, resumes exactly.
+An epoch wires its stages: the stream's :class:`~gluon_stream._pipeline.run.KeyPass` (shards in
+order; several passes over the keys with ``samples_per_epoch``), a feed (units: shards, or the
+mixed units of a shuffle window), the :class:`~gluon_stream._pipeline.batching.BatchPlanner`
+(which samples form which batch), a batch path (slices, or per-sample work on workers) and,
+with even_batches, :class:`~gluon_stream._pipeline.even.EvenBatches`. Each stage owns its
+position; :class:`~gluon_stream._pipeline.pass_state.PassState` composes them after the last
+batch yielded, so a :class:`~gluon_stream._pipeline.state.LoaderState` taken between any two
+batches, the last one included, resumes exactly.
 """
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ class _LoopClock:
 
 
 class LoaderEpoch:
-    """One pass over epoch ``start.epoch`` from ``start`` (see the module doc).
+    """One loader epoch, ``start.epoch``, from ``start`` (see the module doc).
 
     Iterate it once. :attr:`state` is where the pass stands after the last batch it yielded
     (``start`` before the first); :attr:`finished` is true once it ran to its end.
