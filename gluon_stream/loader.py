@@ -384,7 +384,7 @@ def _new_pass(loader: StreamLoader) -> LoaderEpoch:
     start, carry, handover = loader._starts.begin()
     counts = loader._counts
     end = start.position.end  # the rest of an ended epoch (a resumed state): nothing
-    limit = None if end else counts.even_limit(start.epoch)
+    limit = None if end or not loader.even_batches else counts.even_limit(start.epoch)
     expected = counts.batches(start.epoch, start.position.carried) \
         if loader.progress and not end else None
     new = LoaderEpoch(loader.stream, loader._path, loader._settings, start, limit, expected,

@@ -143,7 +143,9 @@ class ShardStream(Closing):
         _validate.callable_or_none("transform", transform)
         self.source = source
         self.transform = transform
-        context = context_rows_of(context_rows, context_break, source, transform)
+        # context_rows: nothing of it runs unless asked for
+        context = context_rows_of(context_rows, context_break, source, transform) \
+            if context_rows != 0 or context_break is not None else None
         self.prefetch = prefetch
         self.shuffle = bool(shuffle)
         self.num_parts, self.part_index = resolve_parts(num_parts, part_index, kvstore=kvstore)
