@@ -41,7 +41,7 @@ from .remainder import Remainder
 from .run import KeyPass
 from .shard import Prepare, Shard
 from .sizes import ShardSizes
-from .tuning import Limits, Tunable, Tuner
+from .tuning import Limits, Tuner
 
 __all__ = ["ShardStream"]
 
@@ -170,10 +170,9 @@ class ShardStream(Closing):
         self.num_epochs = (None if num_epochs is None
                            else _validate.integer("num_epochs", num_epochs, minimum=1))
         self._pool = ProducerPool(source, throttle)
-        self._production(budget, Limits(budget or 0, throttle.bound, fixed_prefetch=fixed_prefetch,
-                                        fixed_producers=not self.auto_producers), schema, context)
+        self._production(budget, fixed_prefetch, schema, context)
 
-    def _production(self, budget: int | None, limits: Limits, schema: Any,
+    def _production(self, budget: int | None, fixed_prefetch: bool, schema: Any,
                     context: ContextRows | None) -> None:
         """The memory gate and the tuner (with a ``memory_budget``), the production stage, and
         what closes them."""
@@ -181,11 +180,12 @@ class ShardStream(Closing):
         #: memory admitted before it is allocated, within the budget (None: no budget)
         self.gate = None if budget is None else MemoryGate(budget)
         self.tuner: Tuner | None = None
-        if self.gate is not None:  # what it learns of rows held outside (a loader's batches
-            target: Tunable = self  # in flight) is admitted at the gate
-            self.tuner = Tuner(target, limits, lambda: self.stats.clock() - self.stats.origin,
+        if self.gate is not None:
+            limits = Limits(self.gate.budget, self._pool.throttle.bound,
+                            fixed_prefetch=fixed_prefetch, fixed_producers=not self.auto_producers)
+            self.tuner = Tuner(self, limits, lambda: self.stats.clock() - self.stats.origin,
                                self.stats.add_tuning)
-            self.tuner.on_rows = self.gate.set_outside
+            self.tuner.on_rows = self.gate.set_outside  # rows a loader holds, admitted too
         #: the production stage: shards made in the producer threads or the caller's
         self.producer = Producer(self.source, self.transform, self._pool, self.gate,
                                  self.dealer, self.sizes, self.stats, self.error_policy, schema,
