@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = ["EvenBatches", "borrow_batch"]
 
-logger = logging.getLogger("gluon_stream._pipeline.epoch")
+logger = logging.getLogger(__name__)
 
 
 class EvenBatches:
