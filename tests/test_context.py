@@ -400,3 +400,63 @@ def test_a_state_saved_with_context_is_refused_by_a_loader_without_it():
             resized.load_state_dict(merged)
     with make(0, parts=1) as resized:  # with the same context it resumes
         resized.load_state_dict(merged)
+
+
+_RANK_SCRIPT = r"""
+import json, sys
+import numpy as np
+import gluon_stream as gs
+
+cache, part, parts, phase, state_path, out_path = sys.argv[1:7]
+part, parts = int(part), int(parts)
+sizes = %r
+starts = np.cumsum([0] + sizes)[:-1].tolist()
+
+def fn(key):  # a new source object in every process: key k holds its rows of one series
+    return np.arange(starts[key], starts[key] + sizes[key], dtype=np.int64)
+
+def windows(raw):
+    if len(raw) < 4:
+        return np.zeros((0, 4), np.int64)
+    return np.ascontiguousarray(np.lib.stride_tricks.sliding_window_view(raw, 4))
+
+loader = gs.StreamLoader(gs.FunctionSource(range(len(sizes)), fn, cache_dir=cache),
+                         batch_size=2, transform=windows, context_rows=3, shuffle=True,
+                         seed=5, num_parts=parts, part_index=part)
+rows = []
+if phase == "first":  # half an epoch, then the state, as a job killed mid-epoch leaves it
+    batches = iter(loader)
+    for _ in range(2):
+        rows += next(batches).asnumpy().astype(np.int64).tolist()
+    json.dump(loader.state_dict(), open(state_path, "w"))
+else:  # a new process: the state loaded into a loader nothing else refers to
+    loader.load_state_dict(json.load(open(state_path)))
+    for batch in loader:
+        rows += batch.asnumpy().astype(np.int64).tolist()
+json.dump(rows, open(out_path, "w"))
+"""
+
+
+def test_ranks_in_their_own_processes_sharing_a_cache_resume_every_window_once(tmp_path):
+    """Each of 3 ranks is its own process, all sharing one cache_dir (a rank reads another's
+    shards as context); each stops mid-epoch, and a new process with new source objects
+    resumes it: together the ranks read every window of the one series once."""
+    import subprocess
+    import sys
+
+    sizes = [5, 3, 0, 7, 2, 6, 4, 1, 8]
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK_SCRIPT % (sizes,))
+    cache = tmp_path / "cache"
+    rows = []
+    for phase in ("first", "rest"):
+        procs = [subprocess.Popen([sys.executable, str(script), str(cache), str(part), "3",
+                                   phase, str(tmp_path / f"state{part}.json"),
+                                   str(tmp_path / f"{phase}{part}.json")],
+                                  stderr=subprocess.PIPE, text=True) for part in range(3)]
+        for proc in procs:
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err[-3000:]
+        rows += [tuple(r) for part in range(3)
+                 for r in json.load(open(tmp_path / f"{phase}{part}.json"))]
+    assert sorted(rows) == series_windows([range(sum(sizes))], 4)
