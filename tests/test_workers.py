@@ -86,7 +86,10 @@ def test_shards_reach_the_workers_through_shared_memory_not_files():
     before = shm_entries()
     with loader(sample_transform=with_pid, num_workers=2) as ld:
         ids = [i for b in ld for i in batch_ids(b)]
-        assert memory_files()  # the next epoch's first shards, produced ahead, wait there
+        deadline = time.monotonic() + JOIN_S  # the next epoch's first shards, made ahead, wait
+        while not memory_files() and time.monotonic() < deadline:  # there once their
+            time.sleep(0.01)  # producer (a background thread) has copied them
+        assert memory_files()
         assert not made_here(shm_entries() - before)  # nothing named, nothing to leave behind
     assert sorted(ids) == all_ids(SIZES)
     assert not memory_files()
