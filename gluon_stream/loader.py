@@ -23,28 +23,23 @@ import weakref
 from concurrent.futures import Executor
 from typing import Any, Callable, Generator, Mapping, Sequence
 
-from ._mx import arrays as mx_arrays
-from ._mx import gluon_data_loader, import_mxnet
+from . import _mx as mx_arrays
+from ._mx import as_numpy_batch, gluon_data_loader, import_mxnet, numpy_mode
 from ._mx import workers as mx_workers
-from ._mx.numpy_mode import as_numpy_batch, numpy_mode
 from ._mx.samples import SAMPLE_FORMATS, SampleFormat
 from ._pipeline.batch_paths import SamplePath, SlicePath
 from ._pipeline.batching import LAST_BATCH_MODES, LastBatch
 from ._pipeline.contracts import BatchPath, Workers
-from ._pipeline.counts import BatchCounts
-from ._pipeline.epoch import LoaderEpoch, PassSettings
+from ._pipeline.epoch import BatchCounts, LoaderEpoch, PassSettings, PassStarts
+from ._pipeline.keys import ShardSizes, resolve_parts, synchronous_job
+from ._pipeline.produce import OnError
 from ._pipeline.provenance import Provenance, ProvenanceTracker
 from ._pipeline.ranks import choose_deal
-from ._pipeline.sizes import ShardSizes
-from ._pipeline.starts import PassStarts
 from ._pipeline.state import LoaderState, decode_state, encode_state
 from ._pipeline.tuning import Tuner
 from ._utils import validate as _validate
 from ._utils.closing import Closing
-from ._utils.cores import usable_cores
-from ._utils.distributed import resolve_parts, synchronous_job
-from ._utils.lifecycle import check_owner, track
-from ._utils.retry import OnError
+from ._utils.lifecycle import check_owner, track, usable_cores
 from .elastic import load_any, remainder_fields
 from .errors import LoaderClosed
 from .sources import Source

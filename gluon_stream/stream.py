@@ -6,9 +6,7 @@ stages (the keys' deal and production, in :mod:`gluon_stream._pipeline`): see
 """
 from __future__ import annotations
 
-from ._pipeline.run import KeyPass, RunState
-from ._pipeline.shard import Prepare, Shard
-from ._pipeline.stream import ShardStream
+from ._pipeline.produce import KeyPass, Prepare, RunState, Shard, ShardStream
 
 __all__ = ["EpochRun", "KeyPass", "Prepare", "RunState", "Shard", "ShardStream"]
 

@@ -123,7 +123,7 @@ def test_memory_of_views_counts_the_owner_once():
     memory of the process."""
     import numpy as np
 
-    from gluon_stream._pipeline.reservations import memory_of as _memory_of
+    from gluon_stream._pipeline.produce import memory_of as _memory_of
     from gluon_stream.tools.generator import make_windows
     raw = np.zeros((150, 8), np.float32)
     counted: set = set()

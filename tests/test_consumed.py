@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import gluon_stream as gs
-from gluon_stream._mx import arrays as mx_arrays
+import gluon_stream._mx as mx_arrays
 from gluon_stream._mx import consumed
 
 pytestmark = [pytest.mark.mxnet,

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from gluon_stream._utils.cores import cgroup_quota, usable_cores
+from gluon_stream._utils.lifecycle import cgroup_quota, usable_cores
 
 
 def write(root, name, text):

@@ -10,7 +10,7 @@ import gluon_stream as gs
 from fake_generator import command, read_lines
 from fake_generator import command_source as source
 from fake_generator import generator_runs as runs
-from gluon_stream.sources._keys import validate_key
+from gluon_stream.sources.base import validate_key
 
 HOSTILE_KEYS = ["a;touch X", "$(id)", "../../x", "a/b", "", "a\0b", "-rf", "k" * 300,
                 ".hidden", "a b", "x\ny", "..", "`id`"]

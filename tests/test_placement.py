@@ -56,7 +56,7 @@ def test_a_list_of_contexts_splits_every_array_like_split_and_load(options):
 
 
 def test_the_next_batch_is_copied_before_the_current_one_is_handed_out(monkeypatch):
-    from gluon_stream._mx import arrays as mx_arrays
+    import gluon_stream._mx as mx_arrays
 
     events = []
     real = mx_arrays.place
@@ -98,7 +98,7 @@ def test_stream_iter_passes_one_context_through_to_module_batches():
 def test_slice_rows_is_a_view_with_the_rows_getitem_gives(ctx):
     """The slice path's batches are cut with one C call, not NDArray.__getitem__ (which reads
     the shape three times): the same rows, the same context, memory shared as a view."""
-    from gluon_stream._mx.arrays import slice_rows
+    from gluon_stream._mx import slice_rows
     base = mx.nd.array(np.arange(60, dtype=np.float32).reshape(10, 3, 2), ctx=ctx)
     for start, stop in [(0, 10), (3, 7), (9, 10), (4, 4)]:
         view = slice_rows(base, start, stop)
@@ -138,7 +138,7 @@ def test_a_shard_is_gathered_in_its_order_straight_into_its_ndarray(ctx, dtype, 
     """A contiguous shard's rows in a shuffled order (a permutation, or a rank's subset) are
     gathered into the NDArray's memory in one pass: the rows order gives, in order, with no
     chunk copied in between; a strided view (sliding windows) still goes by chunks."""
-    from gluon_stream._mx import arrays as mx_arrays
+    import gluon_stream._mx as mx_arrays
     raw = (np.arange(7 * 3 * 2).reshape(7, 3, 2) % 5).astype(dtype)
     chunked = []
     real_chunks = mx_arrays.row_chunks

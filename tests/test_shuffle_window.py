@@ -168,7 +168,7 @@ def test_a_window_needs_shuffle():
 
 def test_units_are_gathered_in_the_background_while_the_loop_trains_on_the_previous_one(
         monkeypatch):
-    from gluon_stream._mx import arrays as mx_arrays
+    import gluon_stream._mx as mx_arrays
     gathered = []  # (thread name, the loop's batches delivered so far)
     delivered = [0]
     real = mx_arrays.gather_to_ndarray

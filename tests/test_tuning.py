@@ -31,7 +31,7 @@ from gluon_stream._pipeline.tuning import (
     decide,
     footprint,
 )
-from gluon_stream._utils.cores import usable_cores
+from gluon_stream._utils.lifecycle import usable_cores
 from gluon_stream._utils.validate import byte_size
 from gluon_stream.tools.bench import budget_probe, budget_shapes
 

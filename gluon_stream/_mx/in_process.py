@@ -17,7 +17,7 @@ import numpy as np
 
 from .._utils.closing import CLOSE_WAIT_S, WAIT_SLICE_S, end_thread_pool
 from .._utils.lifecycle import ThreadPool
-from .numpy_mode import numpy_mode
+from . import numpy_mode
 from .samples import BatchMaker, Refs
 from .worker_deaths import closed_while, too_slow
 

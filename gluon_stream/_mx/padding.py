@@ -6,8 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from . import import_mxnet
-from .arrays import _each_ndarray
+from . import _each_ndarray, import_mxnet
 
 __all__ = ["pad_rows"]
 

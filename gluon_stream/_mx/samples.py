@@ -31,8 +31,7 @@ import numpy as np
 
 from .._utils import validate as _validate
 from ..errors import add_note
-from . import import_mxnet
-from .numpy_mode import as_legacy_batch, as_numpy_batch, mode_scope, numpy_mode
+from . import as_legacy_batch, as_numpy_batch, import_mxnet, mode_scope, numpy_mode
 from .shm import stack_batchify
 
 __all__ = ["SAMPLE_FORMATS", "BatchMaker", "Refs", "SampleFormat", "seed_mxnet_lazily",

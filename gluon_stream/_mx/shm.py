@@ -36,8 +36,7 @@ import numpy as np
 
 from .._utils.columns import ShapedArrays
 from .._utils.libc import libc
-from . import import_mxnet
-from .arrays import ZERO_COPY_DTYPES, copy_into, row_chunks, row_index, wrap_numpy
+from . import ZERO_COPY_DTYPES, copy_into, import_mxnet, row_chunks, row_index, wrap_numpy
 from .consumed import consume_into
 
 __all__ = ["KEEP_FREE", "SharedArrays", "SlotTable", "SlotWriter", "Stacked", "attach",
@@ -408,7 +407,7 @@ class SlotTable:
     """The loader's side of the slots: every worker's slots, mapped once each.
 
     A batch read from a slot is numpy views of it (NDArrays over them, without a copy, see
-    :func:`~gluon_stream._mx.arrays.wrap_numpy`) that all hold one buffer object; when the last
+    :func:`~gluon_stream._mx.wrap_numpy`) that all hold one buffer object; when the last
     of them is gone (every array, slice and pending MXNet operation of the batch), the slot is
     queued to go back to its worker with its next task. A batch is therefore never overwritten
     while anything can still read it (MXNet's ``PrefetchingIter`` reuses its buffers).

@@ -54,8 +54,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from .._utils.closing import WAIT_SLICE_S
+from . import numpy_mode
 from .in_process import PER_WORKER, InlineWorkers, ThreadWorkers
-from .numpy_mode import numpy_mode
 from .samples import BatchMaker, Refs
 from .shm import SharedArrays, SlotTable
 from .worker_deaths import DeathBudget, closed_while, death_of, too_slow

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, cast
 
 import numpy as np
 
-from .._mx import arrays as mx_arrays
+from .. import _mx as mx_arrays
 from .._mx import shm as mx_shm
 from .._mx.consumed import consumable
 from .._utils.columns import ShapedArrays, check_batchable
@@ -29,7 +29,7 @@ from .._utils.lifecycle import ThreadPool
 from .batching import Batch, Segment, UnitPlan
 from .contracts import Workers
 from .feed import Carry, MixedData, UnitFeed
-from .shard import Prepare, owned_each
+from .produce import Prepare, owned_each
 
 __all__ = ["SMALL_SHARD_BYTES", "Ordered", "SamplePath", "SlicePath"]
 
@@ -406,5 +406,5 @@ def _as_batch(arrays: tuple) -> Any:
 
 def _consumed(arrays: tuple) -> list[bool]:
     """Which of a shard's arrays its copy gives back as it goes: those the loader owns
-    (the stream says so: :class:`~gluon_stream._pipeline.shard.Owned`), where they can be."""
+    (the stream says so: :class:`~gluon_stream._pipeline.produce.Owned`), where they can be."""
     return [owned and consumable(a) for owned, a in zip(owned_each(arrays), arrays)]

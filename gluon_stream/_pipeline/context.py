@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -32,7 +32,6 @@ from ..errors import ContextUnavailable, LoaderClosed, SchemaMismatch, ShardErro
 
 if TYPE_CHECKING:
     from ..sources.base import RawShard, Source
-    from .reservations import ShardReservations
 
 __all__ = ["ContextBreak", "ContextRows", "context_rows_of"]
 
@@ -73,6 +72,19 @@ _NONE = object()  # no key before: no context
 _ENDLESS = ("context_rows needs a key list (a sequence, or keys(epoch) returning one): the "
             "context of a key is read from the keys before it in that list, and an endless "
             "iterator's keys cannot be looked up again")
+
+
+class Reserves(Protocol):
+    """What the context asks of a producer's reservations (a
+    :class:`~gluon_stream._pipeline.produce.ShardReservations`): room before it allocates."""
+
+    def reserve(self, part: str, nbytes: int) -> None: ...
+
+    def largest(self, part: str) -> int: ...
+
+    def replaced(self, part: str, arrays: Sequence[Any]) -> None: ...
+
+    def drop(self, part: str) -> None: ...
 
 
 class ContextRows:
@@ -139,7 +151,7 @@ class ContextRows:
                 del self._lists[old]
         return keys, where
 
-    def extend(self, raw: RawShard, epoch: int, produce: Produce, gate: ShardReservations,
+    def extend(self, raw: RawShard, epoch: int, produce: Produce, gate: Reserves,
                stopped: Callable[[], bool]) -> None:
         """Put the context of ``raw``'s key before its rows, in place (``raw.arrays``; the
         previous keys' generation and load seconds are added to ``raw``'s): ``produce`` makes
@@ -161,7 +173,7 @@ class ContextRows:
         gate.replaced("raw", raw.arrays)  # own rows and context, in one block per array
         gate.drop("context")
 
-    def _allocate(self, own: Sequence[Any], gate: ShardReservations) -> list[np.ndarray]:
+    def _allocate(self, own: Sequence[Any], gate: Reserves) -> list[np.ndarray]:
         """The transform's input arrays, context rows first (filled from the end), own rows
         copied in; admitted with room for one previous shard beside them."""
         rows = self.rows

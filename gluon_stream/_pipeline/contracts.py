@@ -4,7 +4,7 @@ A pass (:mod:`gluon_stream._pipeline.epoch`) drives a :class:`BatchPath` (planne
 slices of a unit, or per-sample work); the per-sample path drives :class:`Workers` (inline,
 threads or processes); a pass's shards come from an :class:`~gluon_stream.stream.KeyPass`,
 which drives the stream's producer side through
-:class:`gluon_stream._pipeline.run.ShardMaker` (it lives beside the run: these contracts name
+:class:`gluon_stream._pipeline.produce.ShardMaker` (it lives beside the run: these contracts name
 the feed's types, which name the run). The shard cache's contract is
 :class:`gluon_stream._cache.ShardCache`; a source's is :class:`gluon_stream.Source`. Each
 implementation is checked against its Protocol where it is built (an assignment to the
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     from .batching import Batch, Segment
     from .feed import Carry, MixedData, UnitFeed
-    from .shard import Prepare
+    from .produce import Prepare
 
 __all__ = ["BatchPath", "Workers"]
 

@@ -1,11 +1,11 @@
 """One loader epoch: the stages wired together, batches yielded, and where it stands.
 
-An epoch wires its stages: the stream's :class:`~gluon_stream._pipeline.run.KeyPass` (shards in
+An epoch wires its stages: the stream's :class:`~gluon_stream._pipeline.produce.KeyPass` (shards in
 order; several passes over the keys with ``samples_per_epoch``), a feed (units: shards, or the
 mixed units of a shuffle window), the :class:`~gluon_stream._pipeline.batching.BatchPlanner`
 (which samples form which batch), a batch path (slices, or per-sample work on workers) and,
 with even_batches, :class:`~gluon_stream._pipeline.even.EvenBatches`. Each stage owns its
-position; :class:`~gluon_stream._pipeline.pass_state.PassState` composes them after the last
+position; :class:`~gluon_stream._pipeline.epoch.PassState` composes them after the last
 batch yielded, so a :class:`~gluon_stream._pipeline.state.LoaderState` taken between any two
 batches, the last one included, resumes exactly.
 """
@@ -14,28 +14,36 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Generator, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Protocol, Sequence
 
-from .._mx import arrays as mx_arrays
+import numpy as np
+
+from .. import _mx as mx_arrays
 from .._mx.padding import pad_rows
 from .._utils.progress import ProgressBar
 from .._utils.random import batch_seed
-from ..errors import StreamError
+from ..errors import InvalidState, SizeUnknown, StreamError
 from ..records import EpochRecord
-from .batching import Batch, BatchPlanner, Position, WindowMixer
+from ..sources import Source
+from .batching import Batch, BatchPlanner, LastBatch, Position, Segment, WindowMixer
 from .contracts import BatchPath
 from .even import EvenBatches, borrow_batch
-from .feed import Carry, UnitFeed, WindowFeed
-from .keys import EMPTY_PASSES
-from .pass_state import PassState
+from .feed import Carry, MixedData, UnitFeed, UnitSources, WindowFeed
+from .keys import EMPTY_PASSES, Remainder, ShardSizes
+from .produce import KeyPass, ShardStream
 from .provenance import ProvenanceTracker
-from .rebuild import Rebuild
-from .run import KeyPass
+from .quotas import PartStream, endless_drawn
+from .ranks import even_count
 from .settings import PassSettings
-from .state import LoaderState
-from .stream import ShardStream
+from .state import LoaderState, check_segment_key
 
-__all__ = ["LoaderEpoch", "PassSettings"]
+if TYPE_CHECKING:
+    from .even import EvenBatches
+    from .produce import KeyPass, ShardStream
+    from .provenance import ProvenanceTracker
+    from .settings import PassSettings
+
+__all__ = ["BatchCounts", "LoaderEpoch", "PassSettings", "PassStarts", "PassState", "Rebuild"]
 
 logger = logging.getLogger(__name__)
 
@@ -459,3 +467,513 @@ def _empty_reason(run: KeyPass, feed: UnitFeed, batch_size: int, rule: str) -> s
     return (f"its {shards} shard(s) hold no samples (does a transform return 0 rows, e.g. "
             "windows longer than the shard?)")
 
+
+# -- pass_state --------------------------------------------------------------------------------
+class PassState:
+    """The state of a pass from ``start`` (:attr:`state`), composed by :meth:`advance`.
+
+    It keeps what a state records beyond the stages' positions: the rows before the shards
+    (``recorded``, ``deal='balanced'``), a window's unit lengths (``lengths``, shared with the
+    window's feed), the shards' full sizes seen (``full_sizes``, even_batches='pad''s lead),
+    and the run whose rows it reads (``run``, while one is on).
+    """
+
+    def __init__(self, stream: ShardStream, settings: PassSettings, start: LoaderState,
+                 even: EvenBatches | None) -> None:
+        self.stream, self.settings, self.start, self.even = stream, settings, start, even
+        self.state = start
+        self.recorded = dict(start.rows_before)  # deal='balanced': shard -> rows before it
+        # shuffle_window > 1: (epoch, unit) -> its shards' lengths, of the units handed out
+        # (and those the start state records) a state may refer to
+        self.lengths = {(e, u): n for e, u, n in start.unit_lengths}
+        self.full_sizes: dict[int, int] = {}  # shard position -> samples, for the lead
+        self.run: KeyPass | None = None
+
+    def advance(self, position: Position, delivered: int, skipped_at: Sequence[int],
+                 units: int | None = None) -> None:
+        """The pass stands at ``position`` after ``delivered`` batches: compose the state.
+
+        ``units``: the epoch's count of units, where known: a position past all of them, with
+        nothing left to deliver, is the end of the epoch (said so at once, not on the next
+        pass).
+        """
+        settings = self.settings
+        even = self.even
+        tail_due = position.carry and settings.last_batch == "keep" and settings.even is not True
+        # even_batches=True: a part short of the limit repeats its last batch after the units
+        repeats_due = even is not None and even.limit is not None and delivered < even.limit
+        if units is not None and not position.end and position.unit >= units \
+                and not position.offset and not tail_due and not repeats_due:
+            position = Position(position.epoch, position.unit, 0,
+                                position.carry if settings.last_batch == "rollover" else (),
+                                True)
+        repeat = even.repeat if even is not None else ()
+        number = even.repeat_number if even is not None else 0
+        epoch, window = position.epoch, self.settings.window
+        needed = [(s.epoch, s.unit) for s in position.carry + repeat]
+        if not position.end:
+            needed.append((epoch, position.unit))
+        first: dict[int, int] = {}  # epoch -> the first shard a resume reads
+        for e, unit in needed:
+            first[e] = min(first.get(e, unit), WindowMixer.first_shard(unit, window))
+        skipped = {(e, j) for e, j in self.start.skipped if j >= first.get(e, j + 1)}
+        skipped |= {(epoch, j) for j in skipped_at if j >= first.get(epoch, j + 1)}
+        # where a resume's run starts
+        lead = 0 if position.end or even is None or not even.pad else \
+            self.lead(WindowMixer.first_shard(position.unit, window))
+        rows = self.rows_of(first[epoch], max(u for e, u in needed if e == epoch)) \
+            if epoch in first else ()
+        self.state = LoaderState(position, delivered, tuple(sorted(skipped)), repeat, number,
+                                 lead, self.start.loader_epoch, rows, self.unit_lengths(position))
+
+    def unit_lengths(self, position: Position) -> tuple:
+        """``shuffle_window > 1``: the lengths of the mixed units ``position`` has read part of
+        (see :attr:`LoaderState.unit_lengths`); those of units before them are let go of."""
+        if self.settings.window == 1:
+            return ()
+        units = position.units_read()
+        floor = min(units, default=(position.epoch, position.unit))
+        for old in [u for u in self.lengths if u < floor]:
+            del self.lengths[old]
+        return tuple((e, u, self.lengths[(e, u)]) for e, u in sorted(units)
+                     if (e, u) in self.lengths)
+
+    def rows_of(self, first: int, last: int) -> tuple[tuple[int, int], ...]:
+        """``deal='balanced'``: ``(position, rows before it)`` of the epoch's shards a resume
+        reads again or starts from (``first .. last``; see :attr:`LoaderState.rows_before`),
+        and of the shards before them that another rank, at the same step, may not have
+        finished: those whose rows before them are within ``num_parts * (2 * batch_size +
+        2)`` of the last one's (every rank at a step has read as many samples, give or take a
+        batch, and holds ``rows // num_parts`` of the rows read or one more), so that a merge
+        of every rank's state (:func:`gluon_stream.merge_states`) knows each shard's strides.
+        () for other deals."""
+        run = self.run
+        if run is None or run.offsets is None:
+            return ()
+
+        def rows(unit: int) -> int | None:  # None: past the shards read (a window's units)
+            found = run.rows_before(unit)
+            return found if found is not None else self.recorded.get(unit)
+
+        known = [(unit, n) for unit in range(first, last + 1) if (n := rows(unit)) is not None]
+        if not known:
+            return ()
+        floor = known[-1][1] - self.stream.num_parts * (2 * self.settings.batch_size + 2)
+        while first > 0 and (n := rows(first - 1)) is not None and n >= floor:
+            first -= 1
+            known.insert(0, (first, n))
+        return tuple(known)
+
+    def recorded_rows(self, unit: int) -> int:
+        """``deal='balanced'``: the rows before position ``unit`` of the epoch, as the state
+        this pass started from records them (0 at the epoch's start)."""
+        recorded = self.recorded
+        if unit in recorded or not unit or not self.stream.sizes.learns_rows(self.start.epoch):
+            return recorded.get(unit, 0)
+        raise InvalidState(
+            f"the state resumes epoch {self.start.epoch} at shard {unit}, but does not record "
+            "the rows of the shards before it, which decide the strides every rank takes "
+            "(even_batches=True, sizes unknown): save it again with this gluon_stream")
+
+    def lead(self, before: int) -> int:
+        """even_batches='pad': the largest part's samples in the shards before position
+        ``before`` (those a resume does not produce again)."""
+        lead = self.even.lead if self.even is not None else 0
+        share, epoch = self.stream.sizes.largest_share, self.start.position.epoch
+        return lead + sum(share(epoch, j, n) for j, n in self.full_sizes.items() if j < before)
+
+
+# -- rebuild -----------------------------------------------------------------------------------
+class Rebuild:
+    """Produces again the units of a state's segments.
+
+    Args:
+        stream: Whose keys and producer make them.
+        path: The batch path (its ``prepare``, ``cut`` and ``mix``).
+        window: ``shuffle_window``.
+        rows_before: ``deal='balanced'``: the rows before a shard position, as the state
+            records them.
+        origins: provenance=True: told of the units made again.
+    """
+
+    def __init__(self, stream: ShardStream, path: BatchPath, window: int,
+                 rows_before: Callable[[int], int], origins: ProvenanceTracker | None) -> None:
+        self.stream, self.path, self.window = stream, path, window
+        self.rows_before, self.origins = rows_before, origins
+
+    def carry(self, segments: Sequence[Segment],
+                       skipped: Sequence[tuple[int, int]]) -> Carry:
+        carry = Carry()
+        carry.sources.origins = self.origins  # provenance: the carried units' origins too
+        for seg, chunk in zip(segments, self.chunks(segments, skipped, carry.sources)):
+            carry.add(seg, chunk)
+        return carry
+
+    def batch(self, segments: Sequence[Segment], number: int, epoch: int,
+              skipped: Sequence[tuple[int, int]], carry: Carry | None,
+              settings: PassSettings) -> Any:
+        """Batch ``number`` of ``epoch`` (``segments``), made again: the batch even_batches
+        repeats, after a resume while repeating it; padded to a batch, placed on ``ctx``."""
+        chunks = self.chunks(segments, skipped, carry.sources if carry is not None else None)
+        if self.origins is not None:
+            self.origins.delivered(segments, settings.batch_size - sum(s.size for s in segments))
+        data = self.path.join(chunks, batch_seed(self.stream.seed, epoch, number))
+        if settings.ctx is not None:
+            data = mx_arrays.place(data, settings.ctx)
+        return pad_rows(data, settings.batch_size)
+
+    def chunks(self, segments: Sequence[Segment], skipped: Sequence[tuple[int, int]],
+                 sources: UnitSources | None = None) -> list[tuple]:
+        """The rows of ``segments``, cut from their units produced again (a resume); their
+        samples' sources noted in ``sources``."""
+        chunks = []
+        for seg in segments:
+            unit = self.unit(seg, skipped, sources)
+            if seg.stop > len(unit):
+                raise InvalidState(
+                    f"the state holds rows {seg.start}..{seg.stop - 1} of {_unit_name(seg)} of "
+                    f"epoch {seg.epoch}, which now holds only {len(unit)} samples: the data "
+                    "changed since the state was saved; start the epoch afresh")
+            chunks.append(self.path.cut(unit, seg))
+        return chunks
+
+    def unit(self, seg: Segment, skipped: Sequence[tuple[int, int]],
+                    sources: UnitSources | None = None) -> Any:
+        """Unit ``seg.unit`` of epoch ``seg.epoch``, produced again (its samples' sources
+        noted in ``sources``)."""
+        stream, window = self.stream, self.window
+        keys = stream.dealer.epoch_keys(seg.epoch)[2]
+        prepare = self.path.prepare
+        if window == 1:
+            key = keys[seg.unit] if keys is not None and seg.unit < len(keys) else seg.key
+            shard = stream.producer.produce_now(key, seg.epoch, prepare, seg.unit,
+                                       before=self.rows_before(seg.unit))
+            if sources is not None:
+                sources.shard(seg.epoch, seg.unit, shard)
+            return shard
+        first = WindowMixer.first_shard(seg.unit, window)
+        if keys is None:  # an endless iterator: the unit's shards drawn again up to it
+            named = stream.dealer.keys_between(seg.epoch, first, seg.unit + 1)
+            check_segment_key(seg, named, first)
+        else:
+            named = keys[first:seg.unit + 1]
+        mixer = WindowMixer(window, stream.seed, seg.epoch, first_unit=seg.unit)
+        shards, units = {}, []
+        for j, key in enumerate(named, first):
+            if (seg.epoch, j) in skipped:  # failed before: an empty shard in the mix, as it was
+                continue
+            shards[j] = stream.producer.produce_now(key, seg.epoch, prepare, j,
+                                           before=self.rows_before(j))
+            units.extend(mixer.add(j, len(shards[j])))
+        units.extend(mixer.finish())
+        unit = next((u for u in units if u.index == seg.unit), None)
+        if unit is None:
+            raise InvalidState(f"the state holds samples of mixed unit {seg.unit} of epoch "
+                               f"{seg.epoch}, which does not exist: the keys changed")
+        used = {j: shards[j] for j in np.unique(unit.shards).tolist()}  # as the feed holds them
+        newest = shards.get(seg.unit)
+        mixed = MixedData(unit, used, newest.key if newest else None)
+        if sources is not None:
+            sources.mixed(seg.epoch, mixed)
+        return self.path.mix(mixed)
+
+
+def _unit_name(seg: Segment) -> str:
+    return f"shard {seg.key!r}" if seg.key is not None else f"unit {seg.unit}"
+
+
+# -- starts ------------------------------------------------------------------------------------
+logger = logging.getLogger(__name__)
+
+
+class PassStarts:
+    """A loader's epochs and the position each pass starts from."""
+
+    def __init__(self, stream: ShardStream, samples_per_epoch: int | None,
+                 batch_size: int = 1, last_batch: str = "keep", window: int = 1) -> None:
+        self.stream = stream
+        self.samples_per_epoch = samples_per_epoch
+        self.batch_size, self.last_batch, self.window = batch_size, last_batch, window
+        self._fresh: tuple[int, LoaderState] | None = None  # the last fresh_start counted
+        self._epoch = 0  # samples_per_epoch: the loader's epoch (the stream's is its key pass)
+        self.loaded: LoaderState | None = None  # a state loaded for the next pass
+        self.last: LoaderEpoch | None = None  # the pass in progress, or the last one
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next pass produces."""
+        return self.stream.epoch if self.samples_per_epoch is None else self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.samples_per_epoch is None:
+            self.stream.set_epoch(epoch)
+        else:
+            self._epoch = epoch
+
+    def load(self, state: LoaderState) -> None:
+        """The next pass starts at ``state`` (checked already)."""
+        self.loaded, self.last = state, None
+        self.set_epoch(state.epoch)
+
+    def begin(self) -> tuple[LoaderState, Carry | None, KeyPass | None]:
+        """(start, carry, handover) of a new pass: the carry and the run the last pass left,
+        where the new one goes on from them."""
+        start = self.next()
+        self.loaded = None
+        remainder = self.stream.dealer.remainder
+        if remainder is not None and remainder.fixed and start.epoch != remainder.epoch:
+            self.stream.set_remainder(None)  # its epoch is over: the next ones read the stream
+        if start.position.end and self.samples_per_epoch is None:
+            self.stream.set_epoch(start.epoch + 1)  # the rest of an ended epoch: nothing
+        self._epoch = start.epoch + 1  # samples_per_epoch: without set_epoch, the next one
+        last = self.last if self.last is not None and self.last.finished else None
+        carry = last.carry if last is not None and start.position.carry and \
+            last.state.position.carry == start.position.carry else None
+        handover = last.handover if last is not None and start.loader_epoch is not None \
+            else None
+        return start, carry, handover
+
+    def current(self) -> LoaderState:
+        """Where the stream stands between batches (what a state saves)."""
+        last = self.last
+        if self.loaded is not None or last is None or last.finished:
+            return self.next()
+        return last.state
+
+    def next(self, warn: bool = True) -> LoaderState:
+        """Where the next pass starts: a loaded state, or the stream's epoch with what the last
+        pass rolled over."""
+        if self.samples_per_epoch is not None:
+            return self._in_stream()
+        epoch, loaded, last = self.stream.epoch, self.loaded, self.last
+        if loaded is not None:
+            if loaded.epoch == epoch:
+                return loaded
+            if loaded.position.end and loaded.epoch + 1 == epoch:  # the next epoch, as it said
+                return LoaderState(loaded.position.next_epoch(), skipped=loaded.skipped,
+                                   unit_lengths=loaded.unit_lengths)
+            if warn:
+                logger.warning("state loaded for epoch %d, but epoch %d starts: iterating it "
+                               "from its beginning", loaded.epoch, epoch)
+            return LoaderState(Position(epoch))
+        if last is not None and last.finished:
+            return LoaderState(Position(epoch, carry=last.state.position.carry),
+                               skipped=last.state.skipped,
+                               unit_lengths=last.state.unit_lengths)
+        return LoaderState(Position(epoch))
+
+    def _in_stream(self) -> LoaderState:
+        """samples_per_epoch: where the loader's epoch starts in the stream: where the one
+        before it stopped (as it ended, or as far as the loop took it)."""
+        epoch, loaded, last = self._epoch, self.loaded, self.last
+        before = loaded if loaded is not None else last.state if last is not None else None
+        if before is not None and before.epoch == epoch and loaded is not None:
+            return self.fresh_start(epoch) if loaded.fresh and not loaded.position.end \
+                else loaded
+        remainder = self.stream.dealer.remainder
+        if before is not None and before.epoch + 1 == epoch and (before.fresh or (
+                remainder is not None and remainder.fixed and before.epoch == remainder.epoch)):
+            return self.fresh_start(epoch)  # after an elastic resume's remainder
+        if before is not None and before.epoch + 1 == epoch:
+            p = before.position
+            return LoaderState(Position(p.epoch, p.unit, p.offset, p.carry),
+                               skipped=before.skipped, loader_epoch=epoch,
+                               unit_lengths=before.unit_lengths)
+        if before is None and epoch == 0:
+            return LoaderState(Position(0), loader_epoch=0)
+        raise InvalidState(
+            f"samples_per_epoch={self.samples_per_epoch}: epoch {epoch} starts where epoch "
+            f"{epoch - 1} stopped in the stream, which this loader has not reached: iterate the "
+            "epochs in order, or load the state saved in the epoch before")
+
+    def fresh_start(self, epoch: int) -> LoaderState:
+        """samples_per_epoch: where a fresh job of this world size starts ``epoch`` in this
+        part's stream: after ``epoch * samples_per_epoch`` of its samples, with the samples
+        its epoch before rolled over (``last_batch='rollover'``). The same on every run from
+        the same state: the walk counts the part's shards up to there by their sizes, known
+        ahead (``shard_sizes=``, the source's, a cache filled ahead) or seen, else counted by
+        producing each shard once (a cache hit with a ``cache_dir``)."""
+        if self._fresh is not None and self._fresh[0] == epoch:
+            return self._fresh[1]
+        assert self.samples_per_epoch is not None
+        stream = self.stream
+        endless = not stream.source.keys_for_epoch(0)[1]
+        dealer = stream.dealer
+        part = PartStream(stream.num_parts, stream.part_index, stream.deal, dealer.dealt_keys,
+                          stream.producer.counted_size,
+                          endless_drawn(dealer.endless_keys) if endless else None, self.window)
+        stretches, at = part.walk(0, 0, 0, epoch * self.samples_per_epoch)
+        carried = epoch * self.samples_per_epoch % self.batch_size \
+            if self.last_batch == "rollover" else 0
+        carry: list[Segment] = []
+        for s in reversed(stretches):  # the last samples before it, in order
+            if not carried:
+                break
+            n = min(carried, s.stop - s.start)
+            carry.insert(0, Segment(s.epoch, s.unit, s.stop - n, s.stop, s.key))
+            carried -= n
+        logger.debug("epoch %d starts at shard %d of pass %d, row %d (a fresh job's start on "
+                      "part %d of %d, after %d shard(s) counted)", epoch, at.unit, at.epoch,
+                      at.offset, stream.part_index, stream.num_parts, len(stretches))
+        position = Position(at.epoch, at.unit, at.offset, tuple(carry))
+        lengths = [] if self.window == 1 else [  # the mixed units a state there names
+            (e, u, shards) for e, u in sorted(position.units_read())
+            if (shards := part.lengths(e, u)) is not None]
+        start = LoaderState(position, loader_epoch=epoch, unit_lengths=tuple(lengths))
+        self._fresh = (epoch, start)
+        return start
+
+
+# -- counts ------------------------------------------------------------------------------------
+class Dealt(Protocol):
+    """What :class:`BatchCounts` reads of a stream's keys stage."""
+
+    remainder: Remainder | None
+
+    def epoch_keys(self, epoch: int, part_index: int | None = None
+                   ) -> tuple[Iterator[Any], bool, list | None]: ...
+
+
+class Counted(Protocol):
+    """What :class:`BatchCounts` reads of a stream."""
+
+    sizes: ShardSizes
+    num_parts: int
+    deal: str
+    source: Source
+    transform: Any
+
+    @property
+    def dealer(self) -> Dealt: ...
+
+
+class BatchCounts:
+    """Batch counts of one loader's epochs (its stream, batch size and batch rules)."""
+
+    def __init__(self, stream: Counted, batch_size: int, last_batch: LastBatch,
+                 even_batches: bool | str, samples_per_epoch: int | None) -> None:
+        self.stream = stream
+        self.batch_size = batch_size
+        self.last_batch = last_batch
+        self.even_batches = even_batches
+        self.samples_per_epoch = samples_per_epoch
+
+    def fresh_len(self, epoch: int, start: Position) -> int:
+        """``len(loader)``: batches of ``epoch`` from its start as a fresh job of this size
+        yields them (``start``: where the next pass starts; its carry counts at the epoch's
+        start); :class:`~gluon_stream.SizeUnknown` where the sizes are not known."""
+        fresh = start.epoch == epoch and start.unit == start.offset == 0
+        count = self.batches(epoch, start.carried if fresh else 0, fresh=True)
+        if count is None:
+            raise SizeUnknown(f"len(StreamLoader) is unknown for epoch {epoch}: "
+                              f"{self.unknown_reason(epoch)}")
+        return count
+
+    def batches(self, epoch: int, carried: int = 0, fresh: bool = False) -> int | None:
+        """Batches epoch ``epoch`` yields from its start (``carried``: samples rolled over);
+        None where the sizes are not known. ``fresh``: as a fresh job of this size counts the
+        epoch (``len()``), not the rest an elastic resume reads in its place."""
+        if fresh and self._resumed(epoch):
+            return self._fresh().batches(epoch, carried)
+        bs = self.batch_size
+        if self._fixed(epoch):  # rolled over: what the epochs before left
+            n = self.samples_per_epoch
+            assert n is not None
+            full, rest = divmod(n + (epoch * n % bs if self.last_batch == "rollover" else 0), bs)
+            keeps = self.even_batches == "pad" or (self.last_batch == "keep"
+                                                   and not self.even_batches)
+            return full + (1 if rest and keeps else 0)
+        if self.even_batches:
+            limit = self.even_limit(epoch)
+            if limit is not None or self.even_batches == "pad":
+                return limit
+        total = self.stream.sizes.epoch_size(epoch)
+        if total is None:
+            return None
+        full, rest = divmod(total + carried, bs)
+        return full + (1 if rest and self.last_batch == "keep" and not self.even_batches else 0)
+
+    def even_limit(self, epoch: int) -> int | None:
+        """With even_batches, the batch count every part yields in ``epoch``: the smallest
+        part's full batches, by the declared or known sizes. None where the parts hold equal
+        counts by construction (``deal='samples'``, or one part): every full batch.
+
+        With ``'pad'``: the largest part's batches, the last one short; None where that is
+        only known once the epoch's shards are seen (``deal='strides'``, or one part).
+        ``deal='balanced'`` without the sizes: None, the pass stops where every part can no
+        longer fill a batch (see :meth:`~gluon_stream._pipeline.produce.KeyPass.reaches`)."""
+        stream = self.stream
+        if self._fixed(epoch):  # every part reads as many samples
+            return None
+        if self.even_batches == "pad":
+            sizes = stream.sizes.part_sizes(epoch)
+            return None if sizes is None else even_count("pad", sizes, self.batch_size)
+        if not self.even_batches or stream.deal == "samples" or stream.num_parts == 1:
+            return None
+        sizes = stream.sizes.part_sizes(epoch)
+        if sizes is None and stream.deal == "balanced":
+            return None
+        if sizes is None:
+            raise SizeUnknown(
+                f"even_batches=True needs every shard's size for epoch {epoch} on every rank: "
+                f"{self.unknown_reason(epoch)}")
+        return even_count(True, sizes, self.batch_size)
+
+    def _resumed(self, epoch: int) -> bool:
+        """Whether ``epoch`` reads an elastic resume's remainder in place of its keys."""
+        remainder = self.stream.dealer.remainder
+        return remainder is not None and remainder.epoch == epoch
+
+    def _fresh(self) -> "BatchCounts":
+        """These counts as a fresh job of this size has them: its keys, no remainder."""
+        assert isinstance(self.stream, ShardStream)  # a remainder is only ever a stream's
+        return BatchCounts(_FreshStream(self.stream), self.batch_size, self.last_batch,
+                           self.even_batches, self.samples_per_epoch)
+
+    def _fixed(self, epoch: int) -> bool:
+        """Whether ``epoch`` reads ``samples_per_epoch`` samples: not the rest of an epoch an
+        elastic resume reads (its pieces, counted as an epoch of keys is)."""
+        remainder = self.stream.dealer.remainder
+        return self.samples_per_epoch is not None and not (
+            remainder is not None and remainder.fixed and remainder.epoch == epoch)
+
+    def unknown_reason(self, epoch: int) -> str:
+        """Why an epoch's samples cannot be counted without producing it, and the fix."""
+        stream = self.stream
+        _, finite, keys = stream.dealer.epoch_keys(epoch)
+        if not finite or keys is None:
+            return ("the keys are an endless iterator, so the epoch has no known end (iterate "
+                    "with a fixed number of steps instead)")
+        unknown = [k for k in keys if stream.sizes.shard_size(k, epoch) is None]
+        why = [stream.source.unknown_size_reason()]
+        if stream.transform is not None:
+            why.insert(0, "a transform may change the sample counts of the files")
+        return (f"the sizes of {len(unknown)} of {len(keys)} shards (e.g. {unknown[0]!r}) are not "
+                f"known without producing them ({'; '.join(why)}). "
+                "Pass shard_sizes= (a dict, fn(key), or one int for every shard), fill the cache "
+                "ahead with gluon-stream generate, or read existing files with FileSource; sizes "
+                "of shards seen in an earlier pass are reused when the data cannot change")
+
+
+class _FreshStream:
+    """What :class:`BatchCounts` reads of a stream, as a fresh job of its size has it: the
+    epoch's own keys and sizes, an elastic resume's remainder aside (sizes seen are shared)."""
+
+    remainder: Remainder | None = None
+
+    def __init__(self, stream: ShardStream) -> None:
+        self._stream = stream
+        self.num_parts, self.deal = stream.num_parts, stream.deal
+        self.source, self.transform = stream.source, stream.transform
+        self.sizes = stream.sizes.without_remainder(self.epoch_keys)
+        self.dealer: Dealt = self  # its own keys, without the remainder
+
+    def epoch_keys(self, epoch: int, part_index: int | None = None
+                   ) -> tuple[Iterator[Any], bool, list | None]:
+        stream = self._stream
+        _, finite = stream.source.keys_for_epoch(epoch)
+        if not finite:
+            return iter(()), False, None
+        part = stream.part_index if part_index is None else part_index
+        keys = stream.dealer.dealt_keys(epoch, stream.num_parts, part, stream.deal)
+        return iter(keys), True, keys

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._mx import arrays as mx_arrays
+from .. import _mx as mx_arrays
 from .._mx.padding import pad_rows
 from .._utils.random import batch_seed
 from ..errors import StreamError
@@ -18,10 +18,9 @@ from .feed import MixedData
 from .state import LoaderState
 
 if TYPE_CHECKING:
+    from .produce import KeyPass, ShardStream
     from .provenance import ProvenanceTracker
-    from .run import KeyPass
     from .settings import PassSettings
-    from .stream import ShardStream
 
 __all__ = ["EvenBatches", "borrow_batch"]
 

@@ -22,9 +22,8 @@ from .._utils.validate import every_nth
 from ..errors import LoaderClosed, StreamError
 from ..records import EpochRecord
 from .batching import Batch, BatchPlanner, MixedUnit, Position, Segment, UnitPlan, WindowMixer
+from .produce import KeyPass, Shard
 from .provenance import ProvenanceTracker
-from .run import KeyPass
-from .shard import Shard
 
 __all__ = ["Carry", "EMPTY_SHARDS", "FeedState", "MixedData", "UnitFeed", "UnitSources",
            "WindowFeed"]

@@ -28,9 +28,9 @@ from typing import Any, Sequence, Union
 import numpy as np
 
 from .batching import MixedUnit, Position, Segment
-from .shard import Shard
+from .produce import Shard, ShardOrigin
 
-__all__ = ["Provenance", "ProvenanceTracker", "ShardOrigin"]
+__all__ = ["Provenance", "ProvenanceTracker"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,24 +66,6 @@ class Provenance:
         keep = np.ones(len(self), bool) if padding else ~self.padding
         return [(self.keys[i], int(self.rows[i]), int(self.epochs[i]))
                 for i in np.flatnonzero(keep).tolist()]
-
-
-@dataclass(frozen=True)
-class ShardOrigin:
-    """A shard's rows as read, traced back: its key, the epoch it was made for, and the raw
-    row of each row read (``order``; None: read row ``i`` is raw row ``i``)."""
-
-    key: Any
-    epoch: int
-    order: np.ndarray | None = None
-
-    def raw_rows(self, rows: Any) -> np.ndarray:
-        """Raw rows of read rows ``rows`` (a slice or an index array)."""
-        if self.order is None:
-            if isinstance(rows, slice):
-                return np.arange(rows.start, rows.stop, dtype=np.int64)
-            return np.asarray(rows, dtype=np.int64)
-        return np.asarray(self.order[rows], dtype=np.int64)
 
 
 class _MixedOrigin:

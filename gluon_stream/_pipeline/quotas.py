@@ -4,7 +4,7 @@ An old rank that read its own stream (not an earlier remainder) leaves its carri
 then its stream from its position for the rest of its epoch's ``samples_per_epoch``: a
 :class:`PartStream` of the old job's deal, walked with the shards' sizes (:class:`Quotas`). The
 same walk says where a fresh job's epoch starts in a new rank's stream
-(:mod:`~gluon_stream._pipeline.starts`).
+(:mod:`~gluon_stream._pipeline.epoch`).
 """
 from __future__ import annotations
 
@@ -14,9 +14,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ..errors import InvalidState
 from .batching import Position, window_slice
-from .keys import EMPTY_PASSES
-from .remainder import Drawn, Mixed, Take
-from .sizes import part_count, stride_of, stride_turn
+from .keys import EMPTY_PASSES, Drawn, Mixed, Take, part_count, stride_of, stride_turn
 from .state import check_rank_keys
 
 __all__ = ["PartStream", "Quotas", "Stretch", "endless_drawn", "unit_size"]

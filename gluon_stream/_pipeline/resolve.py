@@ -3,17 +3,15 @@
 :func:`gluon_stream.merge_states` joins the old ranks' positions into a spec; :func:`resolve`
 cuts what each rank has left (:mod:`~gluon_stream._pipeline.quotas` with ``samples_per_epoch``,
 :mod:`~gluon_stream._pipeline.window_cuts` with a shuffle window) into a
-:class:`~gluon_stream._pipeline.remainder.Remainder`.
+:class:`~gluon_stream._pipeline.keys.Remainder`.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Mapping
 
 from ..errors import InvalidState
-from .keys import part_endless
+from .keys import Drawn, Mixed, Piece, Remainder, Take, part_endless, remainder_deal, stride_of
 from .quotas import KeysOf, Quotas, SizeOf
-from .remainder import Drawn, Mixed, Piece, Remainder, Take, remainder_deal
-from .sizes import stride_of
 from .state import check_rank_keys
 from .window_cuts import WindowCuts
 

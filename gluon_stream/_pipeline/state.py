@@ -69,7 +69,7 @@ class LoaderState:
         fresh: ``samples_per_epoch`` after an elastic resume (a merged state): the position
             is no place in this part's stream; the epoch (the next one, where it says its
             epoch ended) starts where a fresh job of this world size starts it, counted when
-            it is needed (:meth:`~gluon_stream._pipeline.starts.PassStarts.fresh_start`).
+            it is needed (:meth:`~gluon_stream._pipeline.epoch.PassStarts.fresh_start`).
     """
 
     position: Position

@@ -6,7 +6,7 @@ slice ``t - j`` the unit's first positions held (:class:`~gluon_stream._pipeline
 WindowMixer`). Which rows those are depends on the lengths of all of the unit's shards, so the
 rank's state records them (``unit_lengths``); a take of such a shard is then "the rows of
 positions ``start .. stop`` of that unit which are this shard's"
-(:class:`~gluon_stream._pipeline.remainder.Mixed`), and its later slices a plain take from where
+(:class:`~gluon_stream._pipeline.keys.Mixed`), and its later slices a plain take from where
 they start. Both expect the shard to hold the recorded number
 of rows for the old rank, and refuse it (InvalidState naming the shard) if it does not. The
 remainder's pieces are then read as any epoch's shards are, mixed by the window again.
@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 
 from ..errors import InvalidState
 from .batching import Position, window_slice
-from .remainder import Mixed, Take, cached_mixed_order
+from .keys import Mixed, Take, cached_mixed_order
 from .state import unit_lengths
 
 __all__ = ["WindowCuts"]

@@ -20,6 +20,7 @@ import concurrent.futures as cf
 import concurrent.futures.thread  # noqa: F401  (its exit hook first, so ours runs before it)
 import concurrent.futures.thread as cf_thread
 import logging
+import math
 import os
 import threading
 import weakref
@@ -27,7 +28,7 @@ from typing import Any, Callable, cast
 
 from ..errors import LoaderClosed
 
-__all__ = ["ThreadPool", "check_owner", "track"]
+__all__ = ["ThreadPool", "check_owner", "track", "usable_cores"]
 
 logger = logging.getLogger(__name__)
 
@@ -123,3 +124,54 @@ class ThreadPool(cf.ThreadPoolExecutor):
 def _work(began: threading.Event, *args: Any) -> None:
     began.set()
     cf_thread._worker(*args)
+
+
+# -- cores -------------------------------------------------------------------------------------
+logger = logging.getLogger(__name__)
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def usable_cores(cgroup_root: str = CGROUP_ROOT) -> int:
+    """The cores this process may run on (affinity), bounded by its cgroup's CPU quota; >= 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    quota = cgroup_quota(cgroup_root)
+    if quota is not None:
+        cores = min(cores, max(1, math.ceil(quota)))
+    return max(1, cores)
+
+
+def cgroup_quota(root: str = CGROUP_ROOT) -> float | None:
+    """The CPU quota in cores (cgroup v2 ``cpu.max``, or v1 ``cpu.cfs_quota_us`` over
+    ``cpu.cfs_period_us``), or None when there is none or it cannot be read."""
+    text = _read(os.path.join(root, "cpu.max"))
+    if text is not None:
+        parts = text.split()
+        if len(parts) == 2 and parts[0] != "max":
+            return _ratio(parts[0], parts[1])
+        return None
+    quota = _read(os.path.join(root, "cpu", "cpu.cfs_quota_us"))
+    period = _read(os.path.join(root, "cpu", "cpu.cfs_period_us"))
+    if quota is None or period is None or quota.strip() == "-1":
+        return None
+    return _ratio(quota, period)
+
+
+def _ratio(quota: str, period: str) -> float | None:
+    try:
+        q, p = int(quota), int(period)
+    except ValueError:
+        logger.debug("unreadable CPU quota %r / %r", quota, period)
+        return None
+    return q / p if q > 0 and p > 0 else None
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return None

@@ -16,7 +16,7 @@ from .._cache.failures import RECORDED
 from .._utils.progress import make_tqdm
 from ..errors import StreamError
 from ..sources import CommandSource
-from ..sources._keys import validate_key
+from ..sources.base import validate_key
 from ._args import (
     UsageError,
     ensure_writable_dir,

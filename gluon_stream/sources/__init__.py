@@ -6,7 +6,7 @@
 * :class:`MixSource` takes the shards of several sources in chosen proportions.
 
 Keys are a sequence, an (endless) iterator, or a callable ``keys(epoch)`` that returns
-that epoch's keys (see :mod:`gluon_stream.sources._keys`).
+that epoch's keys (see :mod:`gluon_stream.sources.base`).
 """
 from .base import CachingSource, RawShard, Source
 from .command import CommandSource

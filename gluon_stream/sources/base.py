@@ -10,11 +10,12 @@ import concurrent.futures as cf
 import contextlib
 import logging
 import os
+import re
 import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar, Union
 
 from .._cache import ShardCache, make_cache
 from .._cache.recipe import recipe_digest
@@ -22,10 +23,10 @@ from .._utils import validate as _validate
 from .._utils.closing import Closing
 from ..errors import CorruptShard, LoaderClosed, ShardError, UnsafeKey, UnsafeShard
 from ..shardfile import inspect_shard, load_shard
-from ._keys import Keys, check_keys, keys_for_epoch, validate_key
 
-__all__ = ["CachingSource", "LOAD_ATTEMPTS", "NAMESPACE_SEPARATOR", "RawShard", "Source",
-           "header_bytes", "run_elsewhere"]
+__all__ = ["CachingSource", "Keys", "LOAD_ATTEMPTS", "MAX_KEY_LENGTH", "NAMESPACE_SEPARATOR",
+           "RawShard", "Source", "check_keys", "header_bytes", "keys_for_epoch", "run_elsewhere",
+           "validate_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -444,3 +445,47 @@ def run_elsewhere(executor: cf.Executor, fn: Callable[..., T], *args: Any) -> T:
 def _run_task(fn: Callable[..., T], args: tuple, task_id: str) -> T:
     """Runs on the executor: ``task_id`` only makes each submission a task of its own."""
     return fn(*args)
+
+
+# -- _keys -------------------------------------------------------------------------------------
+Keys = Union[Sequence[Any], Iterable[Any], Callable[[int], Iterable[Any]]]
+
+MAX_KEY_LENGTH = 200
+_KEY_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:=+@,-]*")
+
+
+def validate_key(key: Any) -> str:
+    """``str(key)`` if it is safe as a file name and a command argument, else UnsafeKey.
+
+    Allowed: letters, digits and ``_ . : = + @ , -``, not starting with ``-`` or ``.``,
+    at most 200 characters. Dates (``datetime.date``) and integers pass as they are.
+
+    Example:
+        >>> validate_key("2024-01-01")
+        '2024-01-01'
+    """
+    text = str(key)
+    if not text or len(text) > MAX_KEY_LENGTH or not _KEY_PATTERN.fullmatch(text) or ".." in text:
+        raise UnsafeKey(
+            f"shard key {text[:80]!r} is not allowed: keys become file names and command "
+            f"arguments, so they must be 1-{MAX_KEY_LENGTH} characters of letters, digits and "
+            "'_.:=+@,-', must not start with '-' or '.', and must not contain '..', path "
+            "separators, spaces, shell characters or NUL"
+        )
+    return text
+
+
+def check_keys(keys: Any) -> Keys:
+    """``keys`` if it is a sequence, an iterator or a callable; a TypeError otherwise."""
+    if keys is None or isinstance(keys, (str, bytes)):
+        raise TypeError(f"keys must be a sequence, an iterator or a callable keys(epoch), "
+                        f"got {type(keys).__name__}")
+    return keys
+
+
+def keys_for_epoch(keys: Keys, epoch: int) -> tuple[Iterable[Any], bool]:
+    """(keys, finite) for ``epoch``: a list when finite, the iterator itself when endless."""
+    chosen = keys(epoch) if callable(keys) else keys
+    if iter(chosen) is chosen:
+        return chosen, False
+    return list(chosen), True

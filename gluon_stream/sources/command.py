@@ -15,9 +15,8 @@ from .._utils.files import discard_path, is_disk_full
 from .._utils.retry import RetryPolicy
 from ..errors import CommandNotFound, CorruptShard, ShardError, ShardTimeout, UnsafeShard
 from ..shardfile import inspect_shard
-from ._keys import Keys, validate_key
 from ._process import ProgramRunner
-from .base import CachingSource
+from .base import CachingSource, Keys, validate_key
 
 __all__ = ["CommandSource"]
 

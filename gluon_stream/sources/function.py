@@ -11,8 +11,7 @@ import numpy as np
 from .._utils.columns import normalize_arrays
 from ..errors import ShardError, StreamError
 from ..shardfile import write_shard
-from ._keys import Keys
-from .base import CachingSource, RawShard, run_elsewhere
+from .base import CachingSource, Keys, RawShard, run_elsewhere
 
 __all__ = ["FunctionSource"]
 

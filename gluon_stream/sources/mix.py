@@ -43,8 +43,7 @@ import numpy as np
 from .._utils import validate as _validate
 from .._utils.random import key_hash, seeded_rng
 from ..errors import UnsafeKey, add_note
-from ._keys import validate_key
-from .base import NAMESPACE_SEPARATOR, CachingSource, RawShard, Source
+from .base import NAMESPACE_SEPARATOR, CachingSource, RawShard, Source, validate_key
 
 __all__ = ["MixSource", "cycled", "interleave", "largest_remainder"]
 
