@@ -13,7 +13,7 @@ from ._version import __version__
 
 # isort: split
 from ._mx import import_mxnet
-from ._pipeline.provenance import Provenance
+from ._stages.provenance import Provenance
 from .diagnosis import Diagnosis
 from .elastic import merge_states
 from .errors import (

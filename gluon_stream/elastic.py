@@ -1,7 +1,7 @@
 """Elastic resume: the states N ranks saved at one step, merged into one that M ranks load.
 
 :func:`merge_states` joins the ranks' positions into a description of what none of them trained
-yet in the interrupted epoch (see :mod:`gluon_stream._pipeline.keys`); every new rank loads
+yet in the interrupted epoch (see :mod:`gluon_stream._stages.keys`); every new rank loads
 the same merged state with ``load_state_dict`` and reads its stride of that remainder, then the
 next epochs as a job of its world size reads them. Only the saved states and the new world size
 decide what each rank reads: no rank needs another's, nothing is communicated. With
@@ -14,10 +14,10 @@ import json
 import warnings
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from ._pipeline.batching import Position, Segment
-from ._pipeline.keys import Remainder
-from ._pipeline.resolve import resolve
-from ._pipeline.state import STATE_VERSION, LoaderState, checksum, unit_lengths, verify
+from ._stages.batching import Position, Segment
+from ._stages.keys import Remainder
+from ._stages.resolve import resolve
+from ._stages.state import STATE_VERSION, LoaderState, checksum, unit_lengths, verify
 from .errors import InvalidState
 from .stream import ShardStream
 
@@ -105,7 +105,7 @@ def _checked_states(states: Any) -> list:
 def _remainder_spec(by_rank: list, first: Mapping[str, Any], epoch: int, prior: Any,
                     ranks: list) -> dict:
     """The merged state's ``elastic`` field: what no old rank trained yet in ``epoch`` (each
-    rank's position in ``ranks``), as :mod:`gluon_stream._pipeline.keys` reads it."""
+    rank's position in ``ranks``), as :mod:`gluon_stream._stages.keys` reads it."""
     spec = {"epoch": epoch, "parts": len(by_rank), "deal": first.get("deal", "shards"),
             "prior": prior, "ranks": ranks}
     # deal='balanced': the pieces' strides turn by the rows left before them, learned as they

@@ -2,7 +2,7 @@
 
 The loader wires the stages of each pass (an epoch): a :class:`~gluon_stream.ShardStream` (shards
 produced ahead), a planner (which samples form which batch, where a resume starts: the pure
-promise of :mod:`gluon_stream._pipeline.batching`) and one of two ways to turn planned batches into
+promise of :mod:`gluon_stream._stages.batching`) and one of two ways to turn planned batches into
 data, chosen automatically:
 
 * **vectorised** (no ``batchify_fn``, no ``sample_transform``): the producer thread copies
@@ -24,19 +24,19 @@ from concurrent.futures import Executor
 from typing import Any, Callable, Generator, Mapping, Sequence
 
 from . import _mx as mx_arrays
+from ._memory.tuner import Tuner
 from ._mx import as_numpy_batch, gluon_data_loader, import_mxnet, numpy_mode
 from ._mx import workers as mx_workers
 from ._mx.samples import SAMPLE_FORMATS, SampleFormat
-from ._pipeline.batch_paths import SamplePath, SlicePath
-from ._pipeline.batching import LAST_BATCH_MODES, LastBatch
-from ._pipeline.contracts import BatchPath, Workers
-from ._pipeline.epoch import BatchCounts, LoaderEpoch, PassSettings, PassStarts
-from ._pipeline.keys import ShardSizes, resolve_parts, synchronous_job
-from ._pipeline.produce import OnError
-from ._pipeline.provenance import Provenance, ProvenanceTracker
-from ._pipeline.ranks import choose_deal
-from ._pipeline.state import LoaderState, decode_state, encode_state
-from ._pipeline.tuning import Tuner
+from ._stages.batch_paths import SamplePath, SlicePath
+from ._stages.batching import LAST_BATCH_MODES, LastBatch
+from ._stages.contracts import BatchPath, Workers
+from ._stages.epoch import BatchCounts, LoaderEpoch, PassSettings, PassStarts
+from ._stages.keys import ShardSizes, resolve_parts, synchronous_job
+from ._stages.produce import OnError
+from ._stages.provenance import Provenance, ProvenanceTracker
+from ._stages.ranks import choose_deal
+from ._stages.state import LoaderState, decode_state, encode_state
 from ._utils import validate as _validate
 from ._utils.closing import Closing
 from ._utils.lifecycle import check_owner, track, usable_cores

@@ -1,12 +1,12 @@
 """ShardStream: shards in order, produced ahead of the consumer by a bounded thread pool.
 
 The public names of a stream and what it hands out. The stream wires the chain's first
-stages (the keys' deal and production, in :mod:`gluon_stream._pipeline`): see
+stages (the keys' deal and production, in :mod:`gluon_stream._stages`): see
 :class:`ShardStream`.
 """
 from __future__ import annotations
 
-from ._pipeline.produce import KeyPass, Prepare, RunState, Shard, ShardStream
+from ._stages.produce import KeyPass, Prepare, RunState, Shard, ShardStream
 
 __all__ = ["EpochRun", "KeyPass", "Prepare", "RunState", "Shard", "ShardStream"]
 

@@ -1,5 +1,5 @@
 """The memory gate: bytes admitted against memory_budget before they are allocated, in the
-order the loop needs them (gluon_stream._pipeline.admission). Pure: no MXNet."""
+order the loop needs them (gluon_stream._memory.gate). Pure: no MXNet."""
 from __future__ import annotations
 
 import threading
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import gluon_stream as gs
-from gluon_stream._pipeline.admission import GiveWay, MemoryGate
+from gluon_stream._memory.gate import GiveWay, MemoryGate
 
 MB = 1 << 20
 
@@ -123,7 +123,7 @@ def test_memory_of_views_counts_the_owner_once():
     memory of the process."""
     import numpy as np
 
-    from gluon_stream._pipeline.produce import memory_of as _memory_of
+    from gluon_stream._stages.produce import memory_of as _memory_of
     from gluon_stream.tools.generator import make_windows
     raw = np.zeros((150, 8), np.float32)
     counted: set = set()
@@ -138,7 +138,7 @@ def test_the_shard_the_loop_needs_is_admitted_even_when_only_its_own_progress_fr
     (freed only once the loop has the next one): the shard ranked first waits for nothing to
     be given back for PATIENCE_S, then is admitted over the budget with a WARNING, rather
     than deadlock the loop."""
-    from gluon_stream._pipeline import admission
+    from gluon_stream._memory import gate as admission
     monkeypatch.setattr(admission, "PATIENCE_S", 0.3)
     gate = MemoryGate(30 * MB)
     trained = gate.open((0, 0), "shard 0 (epoch 0)", False)
@@ -146,7 +146,7 @@ def test_the_shard_the_loop_needs_is_admitted_even_when_only_its_own_progress_fr
     trained.handed()
     needed = gate.open((0, 1), "shard 1 (epoch 0)", False)
     assert needed.made("raw", 8 * MB)
-    with caplog.at_level("WARNING", logger="gluon_stream._pipeline.admission"):
+    with caplog.at_level("WARNING", logger="gluon_stream._memory.gate"):
         needed.reserve("copy", 8 * MB, never, exact=True)
     assert gate.over == 1 and gate.used == 36 * MB
     assert "shard 1 (epoch 0) is admitted over the budget" in caplog.text

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gluon_stream._pipeline.batching import Batch, BatchPlanner, Position, Segment
+from gluon_stream._stages.batching import Batch, BatchPlanner, Position, Segment
 
 sizes_st = st.lists(st.integers(min_value=0, max_value=23), min_size=0, max_size=9)
 batch_st = st.integers(min_value=1, max_value=9)
@@ -168,8 +168,8 @@ def test_the_deal_gives_every_part_a_share_or_equal_counts(sizes, parts, even, k
     samples, the same on all."""
     import random
 
-    from gluon_stream._pipeline.keys import part_count
-    from gluon_stream._pipeline.ranks import choose_deal, even_count
+    from gluon_stream._stages.keys import part_count
+    from gluon_stream._stages.ranks import choose_deal, even_count
 
     deal, why = choose_deal(even, fixed, known, parts, len(sizes), batch_size=batch_size,
                             sizes=sizes if known else None)
@@ -211,7 +211,7 @@ def test_strides_that_go_on_from_the_last_shard_balance_the_parts(sizes, parts, 
     one sample at most; each shard's rows are dealt once; the counts match the rows."""
     import numpy as np
 
-    from gluon_stream._pipeline.keys import part_count, part_rows
+    from gluon_stream._stages.keys import part_count, part_rows
 
     totals, before = [0] * parts, start  # ``start``: rows dealt ahead of the first shard
     for n in sizes:
@@ -232,7 +232,7 @@ def test_strides_that_start_at_part_0_leave_the_first_parts_ahead():
     """Issue 24 §4's example: 9 shards of 23 rows on 3 ranks. Each shard's strides starting
     at part 0 hold 72/72/63; going on from the last shard's, 69 each; 'samples' cuts every
     stride to 7 (63 each, 18 rows of the epoch read by no rank)."""
-    from gluon_stream._pipeline.keys import part_count
+    from gluon_stream._stages.keys import part_count
 
     def totals(deal, turn):
         return [sum(part_count(23, 3, p, deal, 23 * j if turn else None) for j in range(9))

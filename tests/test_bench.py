@@ -191,7 +191,7 @@ def test_stragglers_and_window_epochs_run_end_to_end_on_tiny_settings():
     assert "stragglers: gluon_stream x ideal" in names and "window-epochs balanced" in names
 
 
-def test_every_pipeline_contender_takes_the_shards_in_the_stream_loaders_order(tmp_path):
+def test_every_stages_contender_takes_the_shards_in_the_stream_loaders_order(tmp_path):
     """The StreamLoader shuffles the shard order (shuffle=True): the other contenders take the
     shards in that same order, so a straggling date falls at the same place for everyone (the
     hand-built pipeline took them in key order and started on a quick date while the loader's

@@ -12,7 +12,7 @@ import pytest
 
 import gluon_stream as gs
 from _helpers import all_ids, batch_ids, id_shards
-from gluon_stream._pipeline.keys import resolve_parts
+from gluon_stream._stages.keys import resolve_parts
 
 pytestmark = pytest.mark.mxnet  # these tests use MXNet: warm its engine first
 

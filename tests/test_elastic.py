@@ -426,7 +426,7 @@ def test_a_window_state_without_its_unit_lengths_is_refused_naming_the_field():
     states = _window_states()
     assert all(s["unit_lengths"] for s in states)
     old = {k: v for k, v in states[1].items() if k not in ("unit_lengths", "digest")}
-    old["digest"] = gs._pipeline.state.checksum(old)
+    old["digest"] = gs._stages.state.checksum(old)
     with pytest.raises(gs.InvalidState, match="field 'unit_lengths': rank 1's state"):
         gs.merge_states([states[0], old])
 

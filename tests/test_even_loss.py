@@ -298,7 +298,7 @@ def test_a_merge_of_an_older_gluon_stream_is_read_as_it_was():
             states.append(ld.state_dict())
     merged = gs.merge_states(states)
     merged["elastic"].pop("learned")
-    merged["digest"] = gs._pipeline.state.checksum({k: v for k, v in merged.items()
+    merged["digest"] = gs._stages.state.checksum({k: v for k, v in merged.items()
                                                     if k != "digest"})
     counts = set()
     for rank in range(3):

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from gluon_stream import FunctionSource
-from gluon_stream._pipeline.produce import ProducerPool, Throttle
+from gluon_stream._stages.produce import ProducerPool, Throttle
 from gluon_stream.errors import LoaderClosed
 
 pytestmark = pytest.mark.fast

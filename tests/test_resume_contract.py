@@ -18,7 +18,7 @@ import pytest
 
 import gluon_stream as gs
 from _helpers import batch_ids
-from gluon_stream._pipeline.batching import BatchPlanner, Position, WindowMixer
+from gluon_stream._stages.batching import BatchPlanner, Position, WindowMixer
 
 
 class Adapter:
@@ -98,7 +98,7 @@ class Plan(Adapter):
     def resumed(self, state: dict) -> Iterator[Any]:
         if state["end"]:
             return iter(())
-        from gluon_stream._pipeline.batching import Segment
+        from gluon_stream._stages.batching import Segment
         carry = tuple(Segment(*s) for s in state["carry"])
         return self._from(Position(0, state["unit"], state["offset"], carry,
                                    taken=state["taken"]))

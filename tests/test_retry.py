@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 import gluon_stream as gs
-from gluon_stream._pipeline.produce import ErrorPolicy
+from gluon_stream._stages.produce import ErrorPolicy
 from gluon_stream._utils.retry import RetryPolicy, is_permanent
 
 

@@ -144,7 +144,7 @@ def test_an_endless_iterator_whose_keys_dealt_here_are_all_empty_is_an_error_not
     """Issue 24 §3: endless keys dealt to 4 ranks, every key of rank 3 empty (a weekday
     without data): rank 3 waited for a sample forever. It raises StreamError naming its part
     and keys after EMPTY_SHARDS empty shards in a row; the other ranks read their epochs."""
-    from gluon_stream._pipeline.feed import EMPTY_SHARDS
+    from gluon_stream._stages.feed import EMPTY_SHARDS
 
     def fn(key):
         return np.arange(0 if key % 4 == 3 else 5, dtype=np.int64) + 100 * key

@@ -199,7 +199,7 @@ def test_units_are_gathered_in_the_background_while_the_loop_trains_on_the_previ
 def test_a_failure_met_while_looking_ahead_is_raised_where_the_loop_reaches_it(position,
                                                                                monkeypatch):
     from gluon_stream import stream
-    from gluon_stream._pipeline import feed as feed
+    from gluon_stream._stages import feed as feed
     sizes = [12] * 6
     with make(2, sizes=sizes, seed=5) as probe:
         bad = probe.stream.dealer.epoch_keys(0)[2][position]  # the shard at this place of the order

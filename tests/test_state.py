@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from gluon_stream._pipeline.batching import Position, Segment
-from gluon_stream._pipeline.state import (
+from gluon_stream._stages.batching import Position, Segment
+from gluon_stream._stages.state import (
     STATE_VERSION,
     LoaderState,
     _checksum,

@@ -173,7 +173,7 @@ def test_a_shard_made_before_its_callback_is_attached_generates_no_shard_of_the_
     test above failed on a busy machine)."""
     import concurrent.futures as cf
 
-    from gluon_stream._pipeline.produce import Producer
+    from gluon_stream._stages.produce import Producer
     submit, generate = Producer.submit_shard, Producer.submit_generation
     ahead = []
 
@@ -204,7 +204,7 @@ def test_a_shard_whose_generation_ahead_ends_takes_the_place_before_a_new_genera
     window's shard then waited a whole generation: the tuning bench's generation-bound case,
     15 % slower). The waiting thread is held 0.2 s after the generation ends, as a busy
     machine may deschedule it."""
-    from gluon_stream._pipeline.produce import GenerationsAhead
+    from gluon_stream._stages.produce import GenerationsAhead
     events = []
 
     def fn(key):
@@ -242,7 +242,7 @@ def test_producers_take_places_in_the_order_the_loop_needs_the_shards(tmp_path, 
     """Every load and every generation ahead waits for its place ranked by the pass's epoch
     and the shard's position in it (the throttle hands places out in that order: a shard of
     the window before a generation ahead of a later shard or of the next epoch)."""
-    from gluon_stream._pipeline.produce import Throttle
+    from gluon_stream._stages.produce import Throttle
     held = threading.local()
     take = Throttle.take
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import gluon_stream as gs
 import reference_model as model
 from _helpers import batch_ids
-from gluon_stream._pipeline.tuning import (
+from gluon_stream._memory.tuner import (
     MAX_PREFETCH,
     Knobs,
     Limits,
@@ -242,7 +242,7 @@ def test_the_tuner_logs_each_change_once_with_its_reason_and_records_it(caplog):
     stats = gs.Stats(clock=lambda: now[0])
     target = FakeStream()
     tuner = Tuner(target, Limits(10 ** 9, 4), lambda: now[0], stats.add_tuning)
-    caplog.set_level(logging.INFO, logger="gluon_stream._pipeline.tuning")
+    caplog.set_level(logging.INFO, logger="gluon_stream._memory.tuner")
     for key in range(12):  # 100 ms per shard to make, the loop uses 20 ms: it waits 80 ms
         tuner.waited(False)  # (a producer was idle: the measurements decide, not the wait)
         now[0] += 0.1
@@ -322,7 +322,7 @@ def slow_source(keys, rows=200, generate_s=0.0, columns=8):
 
 @pytest.mark.mxnet
 def test_a_slow_generator_gets_a_second_producer_and_says_why(caplog):
-    caplog.set_level(logging.INFO, logger="gluon_stream._pipeline.tuning")
+    caplog.set_level(logging.INFO, logger="gluon_stream._memory.tuner")
     loader = gs.StreamLoader(slow_source(range(16), generate_s=0.06), batch_size=50,
                              memory_budget="1GiB", seed=1)
     for _ in loader:
@@ -483,7 +483,7 @@ def test_workers_grow_within_the_first_shard_when_the_loop_clearly_waits_for_the
     cores = usable_cores()
     if cores < 2:
         pytest.skip("one usable core: the workers cannot grow")
-    from gluon_stream._pipeline.tuning import EARLY_BATCHES
+    from gluon_stream._memory.tuner import EARLY_BATCHES
     loader = gs.StreamLoader(slow_source([0], rows=600), batch_size=20, memory_budget="1GiB",
                              sample_transform=_busy_per_sample)
     ids = np.concatenate([batch[0].asnumpy() for batch in loader])

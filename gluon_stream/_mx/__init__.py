@@ -6,6 +6,11 @@ and start fast where MXNet is missing or broken. MXNet 1.9.1 needs ``numpy<1.24`
 ``np.bool``), or on Python 3.12 numpy 1.26 with those aliases restored (see
 :func:`restore_numpy_aliases`) and setuptools (for ``distutils``); where it cannot be imported,
 whatever needs it raises an ImportError that says which extra to install.
+
+Below the import: NDArrays from numpy arrays (contexts, the one-copy shard conversion, joins
+across shards, NDArrays over numpy memory) and Gluon's numpy interface (batches handed out as
+``mx.np`` views when numpy semantics are on, per-sample code run in the mode of the thread that
+asked for the batch).
 """
 from __future__ import annotations
 
@@ -134,7 +139,7 @@ def gluon_data_loader(cls: type) -> type:
         return made
 
 
-# -- arrays ------------------------------------------------------------------------------------
+# -- NDArrays from numpy arrays: contexts, the shard's copy, joins, placement ----------------------
 GATHER_CHUNK_BYTES = 1 << 20
 
 
@@ -407,7 +412,7 @@ def copy_into(out: np.ndarray, array: Any) -> None:
                                                  ctypes.c_size_t(out.size)))
 
 
-# -- numpy_mode --------------------------------------------------------------------------------
+# -- Gluon's numpy interface: mx.np batches when numpy semantics are on ----------------------------
 def numpy_mode() -> bool:
     """Whether numpy array semantics are on in the calling thread (``npx.is_np_array()``)."""
     return bool(import_mxnet().util.is_np_array())

@@ -9,7 +9,7 @@ their places in the NDArray, and hands the chunk's pages back to the OS
 
 Who owns an array is never inferred here (a reference count does not see weak references, nor
 memory a C extension keeps): the stream says it, as data, where the arrays are made
-(:class:`~gluon_stream._pipeline.produce.Owned`). :func:`consumable` only checks that an owned
+(:class:`~gluon_stream._stages.produce.Owned`). :func:`consumable` only checks that an owned
 array can be given back page by page. Without ``madvise`` (not Linux), the copy is made as
 usual.
 """

@@ -13,6 +13,9 @@
 
 :class:`ThreadPool` is the executor whose threads such a close can always find: a Ctrl-C
 cannot make it lose one.
+
+How many threads the machine can run: :func:`usable_cores` (affinity and the cgroup's CPU
+quota, not ``os.cpu_count()``) sizes the producers and workers.
 """
 from __future__ import annotations
 
@@ -126,7 +129,7 @@ def _work(began: threading.Event, *args: Any) -> None:
     cf_thread._worker(*args)
 
 
-# -- cores -------------------------------------------------------------------------------------
+# -- how many CPU cores this process may really use ------------------------------------------------
 logger = logging.getLogger(__name__)
 
 CGROUP_ROOT = "/sys/fs/cgroup"

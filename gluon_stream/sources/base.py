@@ -3,6 +3,9 @@
 Sources are thread-safe: a :class:`~gluon_stream.ShardStream` calls :meth:`Source.produce`
 from several producer threads at once. They are also picklable, so a remote executor (a dask
 worker) can generate shards into a ``cache_dir`` both sides see.
+
+At the end, keys as a source holds them: which keys are safe (:func:`validate_key`), and how a
+source's keys become one epoch's keys (:func:`keys_for_epoch`).
 """
 from __future__ import annotations
 
@@ -447,7 +450,7 @@ def _run_task(fn: Callable[..., T], args: tuple, task_id: str) -> T:
     return fn(*args)
 
 
-# -- _keys -------------------------------------------------------------------------------------
+# -- keys: which are safe, and an epoch's keys -----------------------------------------------------
 Keys = Union[Sequence[Any], Iterable[Any], Callable[[int], Iterable[Any]]]
 
 MAX_KEY_LENGTH = 200

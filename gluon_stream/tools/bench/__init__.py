@@ -84,7 +84,7 @@ from .pipeline import (
     PIPELINE_SCENARIOS,
     calibrate_delay,
     generation_cost,
-    run_pipeline_scenario,
+    run_stages_scenario,
 )
 from .placement import run_placement_scenario
 from .provenance import run_provenance_scenario
@@ -106,7 +106,7 @@ __all__ = ["BenchConfig", "GrowthSizes", "PERSAMPLE_CONTENDERS", "PIPELINE_CONTE
            "PIPELINE_SCENARIOS", "SCENARIOS", "STRAGGLER_CONTENDERS", "THROUGHPUT_CONTENDERS",
            "THROUGHPUT_SHAPES", "WINDOW_EPOCHS_CONTENDERS", "Workload", "format_results",
            "ideal_in_order", "ideal_time", "run_bench", "run_memory_scenario",
-           "run_pipeline_scenario", "run_stragglers_scenario", "run_throughput_scenario",
+           "run_stages_scenario", "run_stragglers_scenario", "run_throughput_scenario",
            "run_window_epochs_scenario", "wave_bound"]
 
 logger = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ def run_bench(config: BenchConfig) -> dict:
     step_s = measure_step(base, make_step(base))
     if config.warmup:
         logger.info("warm-up pass")
-        run_pipeline_scenario("warm-up", replace(base, shards=2, delay=0.0), 1, config.contenders)
+        run_stages_scenario("warm-up", replace(base, shards=2, delay=0.0), 1, config.contenders)
     delays: dict[str, float] = {}
 
     def delay_of(scenario: str) -> float:  # the generator's sleep in a pipeline scenario
@@ -160,7 +160,7 @@ def run_bench(config: BenchConfig) -> dict:
     for scenario in config.scenarios:
         t0 = time.perf_counter()
         if scenario in PIPELINE_SCENARIOS:
-            results[scenario] = run_pipeline_scenario(scenario,
+            results[scenario] = run_stages_scenario(scenario,
                                                       replace(base, delay=delay_of(scenario)),
                                                       config.rounds, config.contenders)
         elif scenario == "throughput":

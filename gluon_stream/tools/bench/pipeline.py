@@ -25,7 +25,7 @@ from .measure import Probe, drive, make_step, median
 from .workload import Workload, ideal_time, wave_bound
 
 __all__ = ["GENERATOR_TIMEOUT_S", "PIPELINE_CONTENDERS", "PIPELINE_SCENARIOS", "IdealFn",
-           "calibrate_delay", "generation_cost", "pipeline_ideal", "run_pipeline_scenario",
+           "calibrate_delay", "generation_cost", "pipeline_ideal", "run_stages_scenario",
            "stream_loader"]
 
 logger = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ def stream_loader(options: dict, workload: Workload, directory: str, probe: Prob
             probe.rotation_s.extend(loader.stats.epochs[-1].rotation_s)
 
 
-def _pipeline_contenders(workload: Workload) -> dict[str, tuple[Callable, dict]]:
+def _stages_contenders(workload: Workload) -> dict[str, tuple[Callable, dict]]:
     """name -> (batch generator factory, StreamLoader options shown in the JSON)."""
     from mxnet.gluon.data.dataloader import default_batchify_fn
 
@@ -256,7 +256,7 @@ def calibrate_delay(workload: Workload, ratio: float, step_s: float) -> float:
 IdealFn = Callable[[Workload, Probe, float], "tuple[float, float]"]
 
 
-def run_pipeline_scenario(name: str, workload: Workload, rounds: int,
+def run_stages_scenario(name: str, workload: Workload, rounds: int,
                           contenders: Sequence[str] | None = None,
                           ideal: IdealFn = pipeline_ideal) -> dict:
     """Run one pipeline scenario: contenders interleaved for ``rounds`` rounds; raw figures.
@@ -264,7 +264,7 @@ def run_pipeline_scenario(name: str, workload: Workload, rounds: int,
     ``ideal(workload, naive's probe, step s) -> (ideal s, wave bound s)`` from the component
     costs ``naive`` measured in the same round (it always runs)."""
     step = make_step(workload)
-    all_contenders = _pipeline_contenders(workload)
+    all_contenders = _stages_contenders(workload)
     chosen = [c for c in all_contenders if contenders is None or c in contenders or c == "naive"]
     runs: dict[str, list[dict]] = {c: [] for c in chosen}
     ideals: list[float] = []

@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from .measure import Probe
-from .pipeline import generation_cost, run_pipeline_scenario
+from .pipeline import generation_cost, run_stages_scenario
 from .workload import Workload
 
 __all__ = ["STRAGGLER_CONTENDERS", "ideal_in_order", "run_stragglers_scenario",
@@ -84,7 +84,7 @@ def run_stragglers_scenario(base: Workload, rounds: int, contenders: Sequence[st
         delay = generation_cost(probe_workload) / 2
     workload = stragglers_workload(base, delay, dates, batches)
     chosen = [c for c in STRAGGLER_CONTENDERS if contenders is None or c in contenders]
-    out = run_pipeline_scenario("stragglers", workload, rounds, chosen, ideal=_ideal)
+    out = run_stages_scenario("stragglers", workload, rounds, chosen, ideal=_ideal)
     slow = {key for key, _ in workload.delay_factors}
     costs = [(k, c) for k, c in out["generate_s_by_key"].items() if c is not None]
     normal = [c for k, c in costs if k not in slow]

@@ -68,7 +68,7 @@ def _loader(make: Callable[[dict], StreamLoader], options: dict, chosen: dict,
                           limited=any(c.limited for c in loader.stats.tuning))
 
 
-def _pipeline_maker(workload: Workload, directory: str) -> Callable[[dict], StreamLoader]:
+def _stages_maker(workload: Workload, directory: str) -> Callable[[dict], StreamLoader]:
     def make(options: dict) -> StreamLoader:
         source = CommandSource(workload.keys(), workload.command(), cache_dir=directory,
                                timeout=GENERATOR_TIMEOUT_S, retries=0)
@@ -140,7 +140,7 @@ def run_tuning_scenario(workloads: dict[str, Workload], rounds: int, persample_i
         sample = (workload.time_steps * workload.inputs + 1) * 4
         tight = 3 * workload.shard_bytes + 2 * workload.batch_size * sample + 4096
         out["workloads"][name] = _run_workload(
-            name, functools.partial(_pipeline_maker, workload), PIPELINE_GRID, tight,
+            name, functools.partial(_stages_maker, workload), PIPELINE_GRID, tight,
             make_step(workload), rounds, epochs)
         out["workloads"][name]["workload"] = asdict(workload)
     shards = make_shards(persample_shards, persample_images, seed)

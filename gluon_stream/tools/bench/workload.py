@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..._pipeline.keys import part_keys
+from ..._stages.keys import part_keys
 from ..generator import generator_command
 
 __all__ = ["Workload", "ideal_time", "wave_bound"]

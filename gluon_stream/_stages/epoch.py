@@ -1,13 +1,18 @@
-"""One loader epoch: the stages wired together, batches yielded, and where it stands.
+"""The epochs stage: one loader epoch driven through the stages, where it stands, where the
+next one starts, and how many batches it has.
 
-An epoch wires its stages: the stream's :class:`~gluon_stream._pipeline.produce.KeyPass` (shards in
-order; several passes over the keys with ``samples_per_epoch``), a feed (units: shards, or the
-mixed units of a shuffle window), the :class:`~gluon_stream._pipeline.batching.BatchPlanner`
-(which samples form which batch), a batch path (slices, or per-sample work on workers) and,
-with even_batches, :class:`~gluon_stream._pipeline.even.EvenBatches`. Each stage owns its
-position; :class:`~gluon_stream._pipeline.epoch.PassState` composes them after the last
-batch yielded, so a :class:`~gluon_stream._pipeline.state.LoaderState` taken between any two
-batches, the last one included, resumes exactly.
+An epoch (:class:`LoaderEpoch`) wires its stages: the stream's
+:class:`~gluon_stream._stages.produce.KeyPass` (shards in order; several passes over the keys
+with ``samples_per_epoch``), a feed (units: shards, or the mixed units of a shuffle window),
+the :class:`~gluon_stream._stages.batching.BatchPlanner` (which samples form which batch), a
+batch path (slices, or per-sample work on workers) and, with even_batches,
+:class:`~gluon_stream._stages.even.EvenBatches`. Each stage owns its position;
+:class:`PassState` composes them after the last batch yielded, so a
+:class:`~gluon_stream._stages.state.LoaderState` taken between any two batches, the last one
+included, resumes exactly. :class:`Rebuild` makes a resumed position's units again,
+:class:`PassStarts` says where each pass starts (a loaded state, or where the last pass left
+the stream), and :class:`BatchCounts` counts a pass's batches (``len(loader)``, the progress
+bar, even_batches' limit) from sizes declared or known.
 """
 from __future__ import annotations
 
@@ -468,7 +473,7 @@ def _empty_reason(run: KeyPass, feed: UnitFeed, batch_size: int, rule: str) -> s
             "windows longer than the shard?)")
 
 
-# -- pass_state --------------------------------------------------------------------------------
+# -- where a pass stands: the stages' positions composed after each batch --------------------------
 class PassState:
     """The state of a pass from ``start`` (:attr:`state`), composed by :meth:`advance`.
 
@@ -583,7 +588,7 @@ class PassState:
         return lead + sum(share(epoch, j, n) for j, n in self.full_sizes.items() if j < before)
 
 
-# -- rebuild -----------------------------------------------------------------------------------
+# -- a resumed position's units, made again --------------------------------------------------------
 class Rebuild:
     """Produces again the units of a state's segments.
 
@@ -682,7 +687,7 @@ def _unit_name(seg: Segment) -> str:
     return f"shard {seg.key!r}" if seg.key is not None else f"unit {seg.unit}"
 
 
-# -- starts ------------------------------------------------------------------------------------
+# -- where each pass starts ------------------------------------------------------------------------
 logger = logging.getLogger(__name__)
 
 
@@ -824,7 +829,7 @@ class PassStarts:
         return start
 
 
-# -- counts ------------------------------------------------------------------------------------
+# -- how many batches a pass yields ----------------------------------------------------------------
 class Dealt(Protocol):
     """What :class:`BatchCounts` reads of a stream's keys stage."""
 
@@ -901,7 +906,7 @@ class BatchCounts:
         With ``'pad'``: the largest part's batches, the last one short; None where that is
         only known once the epoch's shards are seen (``deal='strides'``, or one part).
         ``deal='balanced'`` without the sizes: None, the pass stops where every part can no
-        longer fill a batch (see :meth:`~gluon_stream._pipeline.produce.KeyPass.reaches`)."""
+        longer fill a batch (see :meth:`~gluon_stream._stages.produce.KeyPass.reaches`)."""
         stream = self.stream
         if self._fixed(epoch):  # every part reads as many samples
             return None

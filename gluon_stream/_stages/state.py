@@ -1,7 +1,7 @@
 """A loader's position as plain data, for exact resume: encoded, checked, decoded.
 
 A :class:`LoaderState` composes the positions of the stages that own them: the planner's
-(:class:`~gluon_stream._pipeline.batching.Position`: the next unit and row, the samples carried, or
+(:class:`~gluon_stream._stages.batching.Position`: the next unit and row, the samples carried, or
 the end of the epoch), the run's (shards it skipped that a resume must skip again), and
 even_batches' (the batch a part left short repeats). Encoded, it also holds enough to tell whether a
 loader can continue from it: the settings that decide the batches, the keys at the positions it
@@ -44,7 +44,7 @@ class LoaderState:
     """Where a loader stands between batches, as its stages hold it.
 
     Attributes:
-        position: The planner's position (see :class:`~gluon_stream._pipeline.batching.Position`).
+        position: The planner's position (see :class:`~gluon_stream._stages.batching.Position`).
         delivered: Batches of the epoch delivered so far (they number the next batches).
         skipped: Shards, as ``(epoch, position in the epoch)``, that failed with
             ``on_error='skip'`` and that a resume reads from or around (a shuffle window mixes
@@ -62,14 +62,14 @@ class LoaderState:
         unit_lengths: ``shuffle_window > 1``: ``(epoch, unit, lengths)`` for each mixed unit
             the position has read part of (its unit, or the one before it at a unit's start,
             and each carried segment's): this part's samples of each of the unit's
-            ``shuffle_window`` shards (:attr:`~gluon_stream._pipeline.batching.MixedUnit.lengths`),
+            ``shuffle_window`` shards (:attr:`~gluon_stream._stages.batching.MixedUnit.lengths`),
             which decide which rows of each shard the unit's positions hold. An elastic resume
             (:func:`gluon_stream.merge_states`) cuts what is left of those shards by them; a
             resume on the same world size rebuilds the units from the shards instead.
         fresh: ``samples_per_epoch`` after an elastic resume (a merged state): the position
             is no place in this part's stream; the epoch (the next one, where it says its
             epoch ended) starts where a fresh job of this world size starts it, counted when
-            it is needed (:meth:`~gluon_stream._pipeline.epoch.PassStarts.fresh_start`).
+            it is needed (:meth:`~gluon_stream._stages.epoch.PassStarts.fresh_start`).
     """
 
     position: Position

@@ -1,10 +1,10 @@
 """The contracts between the loader's stages, as ``typing.Protocol`` s that mypy checks.
 
-A pass (:mod:`gluon_stream._pipeline.epoch`) drives a :class:`BatchPath` (planned batches into data:
+A pass (:mod:`gluon_stream._stages.epoch`) drives a :class:`BatchPath` (planned batches into data:
 slices of a unit, or per-sample work); the per-sample path drives :class:`Workers` (inline,
 threads or processes); a pass's shards come from an :class:`~gluon_stream.stream.KeyPass`,
 which drives the stream's producer side through
-:class:`gluon_stream._pipeline.produce.ShardMaker` (it lives beside the run: these contracts name
+:class:`gluon_stream._stages.produce.ShardMaker` (it lives beside the run: these contracts name
 the feed's types, which name the run). The shard cache's contract is
 :class:`gluon_stream._cache.ShardCache`; a source's is :class:`gluon_stream.Source`. Each
 implementation is checked against its Protocol where it is built (an assignment to the

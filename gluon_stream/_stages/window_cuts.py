@@ -2,11 +2,11 @@
 
 With a shuffle window (``shuffle_window = k > 1``) an old rank that stands in mixed unit ``t``
 has read part of up to ``k`` shards: of each shard ``j`` in ``t - k + 1 .. t``, the rows of
-slice ``t - j`` the unit's first positions held (:class:`~gluon_stream._pipeline.batching.
+slice ``t - j`` the unit's first positions held (:class:`~gluon_stream._stages.batching.
 WindowMixer`). Which rows those are depends on the lengths of all of the unit's shards, so the
 rank's state records them (``unit_lengths``); a take of such a shard is then "the rows of
 positions ``start .. stop`` of that unit which are this shard's"
-(:class:`~gluon_stream._pipeline.keys.Mixed`), and its later slices a plain take from where
+(:class:`~gluon_stream._stages.keys.Mixed`), and its later slices a plain take from where
 they start. Both expect the shard to hold the recorded number
 of rows for the old rank, and refuse it (InvalidState naming the shard) if it does not. The
 remainder's pieces are then read as any epoch's shards are, mixed by the window again.

@@ -1,9 +1,24 @@
-"""The production stage: one shard made (generated, loaded, transformed, put in its rows'
-order and the consumer's form), in a producer thread or the caller's, its memory admitted
-against ``memory_budget`` part by part before it is allocated.
+"""The production stage: shards made ahead of the consumer, handed out in order.
 
-A :class:`Producer` owns nothing of a pass: the :class:`~gluon_stream._pipeline.produce.KeyPass`
-that submits a shard owns its future; the stream owns the producer pool and the gate.
+:class:`~gluon_stream.ShardStream` wires it (with the keys stage) and owns its threads: producer
+threads generate, load, transform and put each shard in this part's row order while the
+consumer works on the current one; at most ``prefetch`` shards are ever ahead of it. Threads,
+not processes: generation runs in external processes or in numpy code that releases the GIL.
+
+A pass over an epoch's keys (:class:`KeyPass`) keeps a window of shards submitted to the
+producers and hands them out in order; it drives the stream through :class:`ShardMaker` (public
+methods only) and owns only what it submitted. :class:`GenerationsAhead` makes shards into the
+cache beyond the window and counts the work waiting for a producer's place, so generations
+ahead never hold up the window's shards. A :class:`Producer` submits, places and hands out
+shards, and applies the error policy (:class:`ErrorPolicy`, the one place ``on_error`` is
+judged); a :class:`ShardBuilder` builds one shard: its raw arrays, the previous keys' rows
+before them (``context_rows``, :mod:`.context`), the transform, this part's rows, the
+consumer's form (``prepare``), each part's memory admitted before it is allocated
+(:class:`ShardReservations` against :mod:`gluon_stream._memory.gate`).
+
+The contract with a consumer such as :class:`~gluon_stream.StreamLoader` is public:
+:meth:`ShardStream.start_epoch` returns a :class:`KeyPass` whose :meth:`~KeyPass.next_shard`
+hands out :class:`Shard` objects; :mod:`gluon_stream.stream` names them.
 """
 from __future__ import annotations
 
@@ -36,6 +51,8 @@ from typing import (
 
 import numpy as np
 
+from .._memory.gate import Admission, GiveWay, MemoryGate
+from .._memory.tuner import DEFAULT_PREFETCH, Limits, Tuner, start_knobs
 from .._mx import import_mxnet
 from .._utils import validate as _validate
 from .._utils.closing import CLOSE_WAIT_S, WAIT_SLICE_S, Closing, end_thread_pool
@@ -47,20 +64,18 @@ from ..errors import InvalidState, LoaderClosed, MemoryBudgetTooSmall, SchemaMis
 from ..records import ShardRecord
 from ..sources import Source
 from ..stats import Stats
-from .admission import Admission, GiveWay, MemoryGate
 from .context import ContextBreak, ContextRows, context_rows_of
 from .keys import END, KeyCursor, KeyDealer, Remainder, ShardSizes, resolve_parts
 from .offsets import Deferred, RowOffsets, reaches
-from .tuning import DEFAULT_PREFETCH, Limits, Tuner, start_knobs
 
 if TYPE_CHECKING:
     import concurrent.futures as cf
 
+    from .._memory.tuner import Tuner
     from ..sources import RawShard, Source
     from ..stats import Stats
     from .context import ContextRows
     from .keys import KeyDealer, ShardSizes
-    from .tuning import Tuner
 
 __all__ = ["AheadOf", "GenerationsAhead", "KeyPass", "LANE_PREFIX", "Owned", "PassOf", "Prepare",
            "Producer", "ProducerPool", "RunState", "Shard", "ShardBuilder", "ShardMaker",
@@ -345,7 +360,7 @@ class Producer:
               prepare: Prepare | None, whole: bool = False, before: int | None = None,
               adm: Admission | None = None) -> Shard:
         """Make one shard, its memory admitted against ``memory_budget`` part by part before
-        it is allocated (:mod:`gluon_stream._pipeline.admission`; ``adm``: opened when the
+        it is allocated (:mod:`gluon_stream._memory.gate`; ``adm``: opened when the
         shard was submitted): the admission is held until the shard is freed."""
         if adm is None:
             adm = self._open_admission(key, epoch, index)
@@ -389,10 +404,10 @@ class Producer:
                 "shard or schema=); every shard must batch together")
 
 
-# -- build -------------------------------------------------------------------------------------
+# -- one shard built -------------------------------------------------------------------------------
 class Places(Protocol):
     """What a producer asks of a pass's generations ahead (a
-    :class:`~gluon_stream._pipeline.produce.GenerationsAhead`): a place in the work waiting."""
+    :class:`~gluon_stream._stages.produce.GenerationsAhead`): a place in the work waiting."""
 
     def unplaced(self, change: int) -> None: ...  # work started (+1) or placed (-1)
 
@@ -401,7 +416,7 @@ class Places(Protocol):
 
 class PassOf(Protocol):
     """What a producer reads of the pass it makes a shard for (an
-    :class:`~gluon_stream._pipeline.produce.KeyPass`)."""
+    :class:`~gluon_stream._stages.produce.KeyPass`)."""
 
     @property
     def epoch(self) -> int: ...
@@ -553,7 +568,7 @@ class ShardBuilder:
         return arrays
 
 
-# -- producers ---------------------------------------------------------------------------------
+# -- the producer threads and their throttle -------------------------------------------------------
 logger = logging.getLogger(__name__)
 
 
@@ -714,7 +729,7 @@ def first_knobs(prefetch: int | str, producers: Any, budget: int | None,
     return prefetch, Throttle(producers, producers)
 
 
-# -- reservations ------------------------------------------------------------------------------
+# -- a producer's reservations for the shard it makes ----------------------------------------------
 logger = logging.getLogger(__name__)
 
 
@@ -823,7 +838,7 @@ class ShardReservations:
             self.adm.drop("copy")
 
 
-# -- shard -------------------------------------------------------------------------------------
+# -- what the stage hands out: a shard, its origin, the consumer's form ----------------------------
 #: ``prepare(arrays, order, what) -> arrays``: run in the producer thread after the transform,
 #: it returns the shard's arrays in ``order`` (a permutation or a subset of the rows, or None)
 #: in whatever form the consumer wants them (NDArrays, shared memory, ...); ``what`` names the
@@ -887,7 +902,7 @@ class Shard:
     schema: list | None = field(repr=False, default=None)
     #: bytes of its raw and transformed arrays, alive beside its copy while it was made
     source_nbytes: int = 0
-    #: its memory admitted against ``memory_budget`` (a ``_pipeline.admission.Admission``),
+    #: its memory admitted against ``memory_budget`` (a ``_memory.gate.Admission``),
     #: given back when the shard is freed; None without a budget
     admission: Any = field(repr=False, default=None)
     #: provenance=True: its key, made-for epoch and raw row of each row read
@@ -903,7 +918,7 @@ class Shard:
         return import_mxnet().gluon.data.ArrayDataset(*self.arrays)
 
 
-# -- ahead -------------------------------------------------------------------------------------
+# -- generations ahead, and the work waiting for a producer's place --------------------------------
 class _Generating(Protocol):
     """What generations ahead use of their pass's stream."""
 
@@ -927,7 +942,7 @@ class _Generating(Protocol):
 
 class AheadOf(Protocol):
     """What :class:`GenerationsAhead` reads of its pass (an
-    :class:`~gluon_stream._pipeline.produce.KeyPass`)."""
+    :class:`~gluon_stream._stages.produce.KeyPass`)."""
 
     @property
     def stream(self) -> _Generating: ...
@@ -1063,7 +1078,7 @@ class GenerationsAhead:
                 nxt.ahead.start(nxt, busy=run.queued())
 
 
-# -- run ---------------------------------------------------------------------------------------
+# -- one pass over an epoch's keys: the prefetch window --------------------------------------------
 # the stream's logger: its per-shard lines are filtered by this name (docs/memory-budget.md)
 logger = logging.getLogger("gluon_stream.stream")
 
@@ -1399,7 +1414,7 @@ class KeyPass:
 
     def reaches(self, rows: int) -> bool:
         """``deal='balanced'``: whether the epoch's shards hold ``rows`` rows or more (see
-        :func:`~gluon_stream._pipeline.offsets.reaches`)."""
+        :func:`~gluon_stream._stages.offsets.reaches`)."""
         assert self.offsets is not None
         return reaches(self.offsets, rows, self)
 
@@ -1426,7 +1441,7 @@ class KeyPass:
             self.ahead.cancel()
 
 
-# -- stream ------------------------------------------------------------------------------------
+# -- the stream: the keys and production wired, its threads owned ----------------------------------
 # the public name: its lines are filtered by it (docs/memory-budget.md)
 logger = logging.getLogger("gluon_stream.stream")
 

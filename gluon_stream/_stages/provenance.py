@@ -3,7 +3,7 @@
 A sample's origin is its shard's key, its row in that shard's raw output (the row of the
 transform's output, before any shuffle or rank took its part), and the epoch the shard was made
 for. The planned batch already names its samples as segments of units (see
-:mod:`~gluon_stream._pipeline.batching`); a unit's read order to raw rows is the shard's row
+:mod:`~gluon_stream._stages.batching`); a unit's read order to raw rows is the shard's row
 order (:class:`ShardOrigin`, kept on the :class:`~gluon_stream.Shard` where it is made) or, for
 a shuffle window's mixed unit, each sample's shard and row in that shard's read order. So the
 whole cost is a few dictionary lookups per batch; the arrays are built only when

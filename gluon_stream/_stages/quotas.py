@@ -4,7 +4,7 @@ An old rank that read its own stream (not an earlier remainder) leaves its carri
 then its stream from its position for the rest of its epoch's ``samples_per_epoch``: a
 :class:`PartStream` of the old job's deal, walked with the shards' sizes (:class:`Quotas`). The
 same walk says where a fresh job's epoch starts in a new rank's stream
-(:mod:`~gluon_stream._pipeline.epoch`).
+(:mod:`~gluon_stream._stages.epoch`).
 """
 from __future__ import annotations
 

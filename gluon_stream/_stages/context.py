@@ -76,7 +76,7 @@ _ENDLESS = ("context_rows needs a key list (a sequence, or keys(epoch) returning
 
 class Reserves(Protocol):
     """What the context asks of a producer's reservations (a
-    :class:`~gluon_stream._pipeline.produce.ShardReservations`): room before it allocates."""
+    :class:`~gluon_stream._stages.produce.ShardReservations`): room before it allocates."""
 
     def reserve(self, part: str, nbytes: int) -> None: ...
 

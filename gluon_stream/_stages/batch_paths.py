@@ -7,8 +7,8 @@
   are submitted ahead, across unit boundaries, so rotating to the next shard does not drain the
   workers.
 
-Both take a :class:`~gluon_stream._pipeline.feed.UnitFeed` (units in order, each with its plan) and
-the :class:`~gluon_stream._pipeline.feed.Carry`, and yield ``(planned batch, data)``.
+Both take a :class:`~gluon_stream._stages.feed.UnitFeed` (units in order, each with its plan) and
+the :class:`~gluon_stream._stages.feed.Carry`, and yield ``(planned batch, data)``.
 """
 from __future__ import annotations
 
@@ -406,5 +406,5 @@ def _as_batch(arrays: tuple) -> Any:
 
 def _consumed(arrays: tuple) -> list[bool]:
     """Which of a shard's arrays its copy gives back as it goes: those the loader owns
-    (the stream says so: :class:`~gluon_stream._pipeline.produce.Owned`), where they can be."""
+    (the stream says so: :class:`~gluon_stream._stages.produce.Owned`), where they can be."""
     return [owned and consumable(a) for owned, a in zip(owned_each(arrays), arrays)]

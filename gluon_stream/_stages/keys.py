@@ -1,7 +1,21 @@
-"""An epoch's keys dealt to the parts: a key list's (:func:`part_keys`) and an endless
-iterator's (:func:`part_endless`), and the kept keys of an endless iterator that a pass may
-start again from (:class:`KeyTape`). A source's own keys are :mod:`gluon_stream.sources.base`'s;
-:class:`~gluon_stream._pipeline.keys.KeyDealer` holds one part's deal."""
+"""The keys stage: which keys this part reads in each pass, in which order, and which rows of
+each shard it takes.
+
+A :class:`KeyDealer` holds what decides the deal (the source's keys, the seed, the shuffle,
+the parts and the deal mode, an elastic resume's remainder, an endless iterator's kept keys),
+and nothing of production: the producers ask it for a pass's keys and a shard's rows. A pass
+draws its keys through a :class:`KeyCursor`: in order, each with its position, some early
+(generations ahead look past the prefetch window), a failing key iterator kept to be raised
+after the shards drawn before it.
+
+In this module, in order: an epoch's keys dealt to the parts (:func:`part_keys`,
+:func:`part_endless`, :class:`KeyTape`); the deal (:class:`KeyDealer`, :class:`KeyCursor`);
+the rest of an interrupted epoch as pieces of shards, what the ranks of a resized job read
+(:class:`Remainder`, cut by :func:`~gluon_stream._stages.resolve.resolve`); what the deal
+knows of shard sizes without producing them (:class:`ShardSizes`, :func:`part_rows`, the
+strides); and which part this process is (:func:`resolve_parts`: a kvstore, Horovod or the
+launcher's environment). A source's own keys are :mod:`gluon_stream.sources.base`'s.
+"""
 from __future__ import annotations
 
 import collections
@@ -136,11 +150,11 @@ class KeyTape:
             self.base += drop
 
 
-# -- deal --------------------------------------------------------------------------------------
+# -- the deal: one part's keys of each pass, a shard's rows ----------------------------------------
 class KeyDealer:
     """The deal of one part (``part_index`` of ``num_parts``): keys per pass, rows per shard.
 
-    ``sizes`` is set by the stream once its :class:`~gluon_stream._pipeline.keys.ShardSizes`
+    ``sizes`` is set by the stream once its :class:`~gluon_stream._stages.keys.ShardSizes`
     exists (the sizes ask the dealer for keys; the dealer asks the sizes for rows before a
     shard).
     """
@@ -294,7 +308,7 @@ class KeyDealer:
         return None
 
 
-# -- cursor ------------------------------------------------------------------------------------
+# -- a pass's keys as it draws them ----------------------------------------------------------------
 #: no key is left (or the keys' iterator failed: see :attr:`KeyCursor.error`)
 END = object()
 
@@ -348,7 +362,7 @@ class KeyCursor:
         return key, self._drawn - 1
 
 
-# -- remainder ---------------------------------------------------------------------------------
+# -- an interrupted epoch's rest, as pieces of shards (elastic resume) -----------------------------
 class Drawn:
     """An endless iterator's keys of one epoch, drawn in order as far as a merge needs them
     (every rank of the old job drew the same iterator and took its part); the keys after them
@@ -380,7 +394,7 @@ _GONE = object()
 def remainder_deal(deal: str, before: int | None = None) -> str:
     """How the ranks split a piece of a remainder with ``before`` rows left in the pieces
     before it (None: not known alike on every rank): their strides, going on from piece to
-    piece where ``before`` is known (see :func:`~gluon_stream._pipeline.keys.stride_of`), so
+    piece where ``before`` is known (see :func:`~gluon_stream._stages.keys.stride_of`), so
     that with ``'balanced'`` (even_batches=True) the ranks' counts differ by one at most and
     the rest of the epoch leaves out at most a batch a rank; cut to equal counts where the
     loader's deal is and ``before`` is not known (``'samples'``, and ``'balanced'`` with sizes
@@ -393,7 +407,7 @@ def remainder_deal(deal: str, before: int | None = None) -> str:
 @functools.lru_cache(maxsize=8)
 def cached_mixed_order(window: int, seed: int, epoch: int, unit: int,
                        lengths: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`~gluon_stream._pipeline.batching.mixed_order`, kept a while for the takes of one
+    """:func:`~gluon_stream._stages.batching.mixed_order`, kept a while for the takes of one
     unit (one per shard of it, made in a row); a few units only: each is as long as a shard."""
     shards, rows = mixed_order(window, seed, epoch, unit, lengths)
     shards.setflags(write=False)
@@ -533,7 +547,7 @@ class Remainder:
              before: int | None = None) -> np.ndarray:
         """The rows part ``part`` of ``parts`` reads of piece ``index`` (``order``: the
         shard's own row order; ``before``: the rows left in the pieces before it, where every
-        rank knows them alike; see :func:`~gluon_stream._pipeline.keys.stride_of`)."""
+        rank knows them alike; see :func:`~gluon_stream._stages.keys.stride_of`)."""
         return part_rows(self.pieces[index].rows(order), parts, part,
                          remainder_deal(deal, before), before)
 
@@ -555,7 +569,7 @@ class Remainder:
         return out
 
 
-# -- sizes -------------------------------------------------------------------------------------
+# -- shard sizes known without producing them; the rows and strides of each part -------------------
 logger = logging.getLogger("gluon_stream.stream")
 
 
@@ -710,7 +724,7 @@ class ShardSizes:
 
     def learns_rows(self, epoch: int) -> bool:
         """``deal='balanced'``: whether a pass of ``epoch`` learns the rows before each shard
-        from its producers (:class:`~gluon_stream._pipeline.offsets.RowOffsets`) to turn its
+        from its producers (:class:`~gluon_stream._stages.offsets.RowOffsets`) to turn its
         strides: a fresh epoch; an elastic resume's remainder whose rest not every rank counts
         alike ahead (a piece's size unknown, or an endless tail), its pieces told by the rows
         left in them (a remainder merged by an older gluon_stream: its pieces were cut to
@@ -832,7 +846,7 @@ class ShardSizes:
         return known if len(known) == len(sizes) else None
 
 
-# -- distributed -------------------------------------------------------------------------------
+# -- which part this process is: num_parts / part_index, or 'auto' ---------------------------------
 logger = logging.getLogger(__name__)
 
 ENV_PAIRS = (  # (rank variable, size variable)

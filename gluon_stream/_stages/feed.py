@@ -1,8 +1,8 @@
 """An epoch's units, each with its batch plan: what both of the loader's batch paths read.
 
-A unit is the thing the :class:`~gluon_stream._pipeline.batching.BatchPlanner` cuts into batches: a
+A unit is the thing the :class:`~gluon_stream._stages.batching.BatchPlanner` cuts into batches: a
 shard (``shuffle_window=1``), or a :class:`MixedUnit` that mixes the samples of up to k consecutive
-shards (see :class:`~gluon_stream._pipeline.batching.WindowMixer`). :class:`UnitFeed` and
+shards (see :class:`~gluon_stream._stages.batching.WindowMixer`). :class:`UnitFeed` and
 :class:`WindowFeed` pull the shards from an :class:`~gluon_stream.stream.KeyPass` and hand out
 ``(unit, plan)`` in order; :attr:`UnitFeed.final` is then the epoch's short tail (or the samples
 carried before a failing shard), :attr:`UnitFeed.failure` the error to raise after it.
@@ -269,7 +269,7 @@ class WindowFeed(UnitFeed):
     """Units that mix the samples of ``window`` consecutive shards (``shuffle_window > 1``).
 
     Unit ``t`` is handed out as soon as shard ``t`` is in (see
-    :class:`~gluon_stream._pipeline.batching.WindowMixer`); a shard is let go of once no later unit
+    :class:`~gluon_stream._stages.batching.WindowMixer`); a shard is let go of once no later unit
     reads it. The shards held here and those in flight stay within ``budget``
     (``max(prefetch, window) + 1``), at least one always being produced ahead. The path's
     ``mix_later`` gives a unit its data in the background: when a unit is handed out and the

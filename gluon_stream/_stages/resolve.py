@@ -1,9 +1,9 @@
 """The remainder a merged state describes: each old rank's takes, grouped into pieces.
 
 :func:`gluon_stream.merge_states` joins the old ranks' positions into a spec; :func:`resolve`
-cuts what each rank has left (:mod:`~gluon_stream._pipeline.quotas` with ``samples_per_epoch``,
-:mod:`~gluon_stream._pipeline.window_cuts` with a shuffle window) into a
-:class:`~gluon_stream._pipeline.keys.Remainder`.
+cuts what each rank has left (:mod:`~gluon_stream._stages.quotas` with ``samples_per_epoch``,
+:mod:`~gluon_stream._stages.window_cuts` with a shuffle window) into a
+:class:`~gluon_stream._stages.keys.Remainder`.
 """
 from __future__ import annotations
 
