@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Protocol, Sequence
+from typing import Any, Callable, Generator, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -41,12 +41,6 @@ from .quotas import PartStream, endless_drawn
 from .ranks import even_count
 from .settings import PassSettings
 from .state import LoaderState, check_segment_key
-
-if TYPE_CHECKING:
-    from .even import EvenBatches
-    from .produce import KeyPass, ShardStream
-    from .provenance import ProvenanceTracker
-    from .settings import PassSettings
 
 __all__ = ["BatchCounts", "LoaderEpoch", "PassSettings", "PassStarts", "PassState", "Rebuild"]
 

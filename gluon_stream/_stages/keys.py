@@ -27,7 +27,6 @@ import os
 import threading
 from dataclasses import dataclass
 from typing import (
-    TYPE_CHECKING,
     Any,
     Callable,
     Iterable,
@@ -45,9 +44,6 @@ from .._utils.random import key_hash, seeded_rng
 from ..errors import InvalidState, StreamError, add_note
 from ..sources import Source
 from .batching import mixed_order
-
-if TYPE_CHECKING:
-    from ..sources import Source
 
 __all__ = ["DeclaredSizes", "Drawn", "EMPTY_PASSES", "END", "KeyCursor", "KeyDealer", "KeyTape",
            "Mixed", "Piece", "Remainder", "SYNC_KVSTORES", "ShardSizes", "Take",

@@ -69,13 +69,7 @@ from .keys import END, KeyCursor, KeyDealer, Remainder, ShardSizes, resolve_part
 from .offsets import Deferred, RowOffsets, reaches
 
 if TYPE_CHECKING:
-    import concurrent.futures as cf
-
-    from .._memory.tuner import Tuner
-    from ..sources import RawShard, Source
-    from ..stats import Stats
-    from .context import ContextRows
-    from .keys import KeyDealer, ShardSizes
+    from ..sources import RawShard
 
 __all__ = ["AheadOf", "GenerationsAhead", "KeyPass", "LANE_PREFIX", "Owned", "PassOf", "Prepare",
            "Producer", "ProducerPool", "RunState", "Shard", "ShardBuilder", "ShardMaker",
