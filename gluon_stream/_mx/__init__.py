@@ -140,6 +140,8 @@ def gluon_data_loader(cls: type) -> type:
 
 
 # -- NDArrays from numpy arrays: contexts, the shard's copy, joins, placement ----------------------
+# NDArrays from numpy arrays: contexts, the one-copy shard conversion, joins across shards,
+# and NDArrays over memory that numpy already holds (no copy).
 GATHER_CHUNK_BYTES = 1 << 20
 
 
@@ -413,6 +415,22 @@ def copy_into(out: np.ndarray, array: Any) -> None:
 
 
 # -- Gluon's numpy interface: mx.np batches when numpy semantics are on ----------------------------
+# Gluon's numpy interface: batches as ``mx.np.ndarray`` when numpy array semantics are on.
+#
+# ``npx.set_np()`` (MXNet 1.9's tutorials, *Dive into Deep Learning*, newer GluonCV) turns on
+# two flags that are **thread-local** in MXNet 1.9.1: numpy shape semantics and numpy array
+# semantics (:func:`mxnet.util.is_np_array`). Numpy-mode blocks take ``mx.np.ndarray`` only, so
+# Gluon's ``DataLoader`` then yields those. gluon_stream does the same:
+#
+# * inside the pipeline (producer threads, slices, joins, padding, placement) every array is a
+#   legacy ``NDArray``, whatever the mode;
+# * the loader checks the mode of the thread that iterates it, at each batch it hands out (as
+#   Gluon's ``default_batchify_fn`` checks it where it runs), and hands out ``mx.np.ndarray``
+#   views of the same memory (:func:`as_numpy_batch`: ``as_np_ndarray()``, no copy) when it is on;
+# * per-sample code (``sample_transform``, ``batchify_fn``) runs in the mode of the thread that
+#   submitted its batch (:func:`mode_scope`), in threads and worker processes too, as Gluon's
+#   ``DataLoader`` initialises its thread and process pools with the mode it was built in; what
+#   it returns is taken back as legacy ``NDArray`` views (:func:`as_legacy_batch`).
 def numpy_mode() -> bool:
     """Whether numpy array semantics are on in the calling thread (``npx.is_np_array()``)."""
     return bool(import_mxnet().util.is_np_array())

@@ -468,6 +468,11 @@ def _empty_reason(run: KeyPass, feed: UnitFeed, batch_size: int, rule: str) -> s
 
 
 # -- where a pass stands: the stages' positions composed after each batch --------------------------
+# Where a pass stands after each batch: its stages' positions composed into a
+# :class:`~gluon_stream._stages.state.LoaderState` (the planner's position, the batches
+# delivered, the shards skipped around it, even_batches' repeat and lead, ``deal='balanced'``'s
+# rows before the shards a resume reads, a shuffle window's unit lengths), so a state taken
+# between any two batches, the last one included, resumes exactly.
 class PassState:
     """The state of a pass from ``start`` (:attr:`state`), composed by :meth:`advance`.
 
@@ -583,6 +588,8 @@ class PassState:
 
 
 # -- a resumed position's units, made again --------------------------------------------------------
+# A resumed position's data: the units a state's segments name (a carry, a batch to
+# repeat), produced again in the calling thread exactly as the producers made them.
 class Rebuild:
     """Produces again the units of a state's segments.
 
@@ -682,6 +689,14 @@ def _unit_name(seg: Segment) -> str:
 
 
 # -- where each pass starts ------------------------------------------------------------------------
+# Where each pass of a loader starts: a loaded state, or where the last pass left the stream.
+#
+# Without ``samples_per_epoch`` a pass is the stream's epoch, from its start (with what the last
+# pass rolled over). With it, the loader's epochs are cut from the stream: epoch ``e`` starts
+# where epoch ``e - 1`` stopped, so its start is known only once that epoch was read (or a state
+# saved in it loaded). After an elastic resume the epoch after the remainder starts where a fresh
+# job of the new world size starts it: after ``e * samples_per_epoch`` samples of this part's
+# stream, counted from the shards' sizes (:meth:`PassStarts.fresh_start`).
 logger = logging.getLogger(__name__)
 
 
@@ -824,6 +839,8 @@ class PassStarts:
 
 
 # -- how many batches a pass yields ----------------------------------------------------------------
+# How many batches a pass yields: ``len(loader)``, the progress bar's total and even_batches'
+# limit, from the declared or known shard sizes (never by producing shards).
 class Dealt(Protocol):
     """What :class:`BatchCounts` reads of a stream's keys stage."""
 

@@ -359,6 +359,24 @@ class KeyCursor:
 
 
 # -- an interrupted epoch's rest, as pieces of shards (elastic resume) -----------------------------
+# The rest of an interrupted epoch, as pieces of shards: what the ranks of a resized job read.
+#
+# An elastic resume (:func:`gluon_stream.merge_states`) joins the positions the old ranks reached
+# in an epoch. What none of them trained yet is, per old rank: the samples it carried, the rest
+# of the shard it was in, and the shards after it in its deal. Each becomes a :class:`Take` of a
+# shard: rows ``start .. stop`` of the old rank's rows of it, dealt as the old job dealt them
+# (:func:`~gluon_stream._stages.keys.part_rows`). The takes of one shard form a
+# :class:`Piece`; the pieces, in a canonical order, form the :class:`Remainder`, which every new
+# rank reads whole, each taking its stride of every piece's rows (the even rules of
+# ``deal='strides'``/``'samples'``), so no size needs to be known and no rank needs another's.
+#
+# Nothing here needs a shard's rows until it is produced: a take knows how to cut a shard's row
+# order of any length. A remainder can itself be interrupted and merged again: a take's source is
+# then an earlier remainder's piece (``parent``), resolved the same way.
+#
+# The pieces are cut from a merged state by :func:`~gluon_stream._stages.resolve.resolve`,
+# with :mod:`~gluon_stream._stages.quotas` (``samples_per_epoch``) and
+# :mod:`~gluon_stream._stages.window_cuts` (a shuffle window).
 class Drawn:
     """An endless iterator's keys of one epoch, drawn in order as far as a merge needs them
     (every rank of the old job drew the same iterator and took its part); the keys after them
@@ -566,6 +584,8 @@ class Remainder:
 
 
 # -- shard sizes known without producing them; the rows and strides of each part -------------------
+# What a stream knows of its shards' sizes without producing them: for ``len()``, the
+# progress bar and ``even_batches``' equal counts across ranks.
 logger = logging.getLogger("gluon_stream.stream")
 
 
@@ -843,6 +863,12 @@ class ShardSizes:
 
 
 # -- which part this process is: num_parts / part_index, or 'auto' ---------------------------------
+# Which part of the data this process trains on: ``num_parts`` / ``part_index`` (MXNet's names).
+#
+# ``'auto'`` reads the rank and the world size from, in order: a ``kvstore`` passed in
+# (``kv.rank``, ``kv.num_workers``), Horovod (``horovod.mxnet`` when importable and
+# initialised), then the environment that ``horovodrun``/``mpirun``/``torchrun``-style
+# launchers set. Sources that disagree are an error, not a guess.
 logger = logging.getLogger(__name__)
 
 ENV_PAIRS = (  # (rank variable, size variable)

@@ -19,6 +19,9 @@ consumer's form (``prepare``), each part's memory admitted before it is allocate
 The contract with a consumer such as :class:`~gluon_stream.StreamLoader` is public:
 :meth:`ShardStream.start_epoch` returns a :class:`KeyPass` whose :meth:`~KeyPass.next_shard`
 hands out :class:`Shard` objects; :mod:`gluon_stream.stream` names them.
+
+A :class:`Producer` owns nothing of a pass: the :class:`KeyPass` that submits a shard owns its
+future; the stream owns the producer pool and the gate.
 """
 from __future__ import annotations
 
@@ -399,6 +402,11 @@ class Producer:
 
 
 # -- one shard built -------------------------------------------------------------------------------
+# Building one shard: its raw arrays (read, or generated first), the previous keys' rows
+# before them (``context_rows``), the transform, this part's rows in their order, and the
+# consumer's form (``prepare``), each part's memory admitted before it is allocated
+# (:mod:`gluon_stream._memory.gate`). What the production stage runs for every shard,
+# in a producer thread or the caller's.
 class Places(Protocol):
     """What a producer asks of a pass's generations ahead (a
     :class:`~gluon_stream._stages.produce.GenerationsAhead`): a place in the work waiting."""
@@ -563,6 +571,8 @@ class ShardBuilder:
 
 
 # -- the producer threads and their throttle -------------------------------------------------------
+# The producer threads a :class:`~gluon_stream.ShardStream` owns, and the throttle that says
+# how many of them may work at once (``producers='auto'`` grows it).
 logger = logging.getLogger(__name__)
 
 
@@ -724,6 +734,10 @@ def first_knobs(prefetch: int | str, producers: Any, budget: int | None,
 
 
 # -- a producer's reservations for the shard it makes ----------------------------------------------
+# A producer's reservations for the shard it makes, against the stream's
+# :class:`~gluon_stream._memory.gate.MemoryGate`: what each part of a shard holds (its
+# raw arrays, the transform's output, the copy), counted as memory, and the shard deferred when
+# it must give way to the one the loop needs first.
 logger = logging.getLogger(__name__)
 
 
@@ -833,6 +847,10 @@ class ShardReservations:
 
 
 # -- what the stage hands out: a shard, its origin, the consumer's form ----------------------------
+# One ready shard, and the ``prepare`` step that puts its arrays in the consumer's form.
+#
+# Both are what a :class:`~gluon_stream.ShardStream` hands a pass (:class:`KeyPass`) and what the
+# stages after it read; they live below both so that the contracts can name them.
 #: ``prepare(arrays, order, what) -> arrays``: run in the producer thread after the transform,
 #: it returns the shard's arrays in ``order`` (a permutation or a subset of the rows, or None)
 #: in whatever form the consumer wants them (NDArrays, shared memory, ...); ``what`` names the
@@ -913,6 +931,9 @@ class Shard:
 
 
 # -- generations ahead, and the work waiting for a producer's place --------------------------------
+# A pass's generations ahead (shards made into the cache beyond the prefetch window), and
+# the count of its work waiting for a producer's place: what tells an idle producer from a
+# busy one, so that generations ahead never hold up the window's shards.
 class _Generating(Protocol):
     """What generations ahead use of their pass's stream."""
 
@@ -1073,6 +1094,13 @@ class GenerationsAhead:
 
 
 # -- one pass over an epoch's keys: the prefetch window --------------------------------------------
+# One pass over an epoch's keys (:class:`KeyPass`), and the contract it drives the stream by.
+#
+# A pass keeps a window of shards submitted to the producers and hands them out in order, with
+# the stream's error policy applied where each is waited for. It drives the stream's producer
+# side through :class:`ShardMaker` (public methods only), which
+# :class:`~gluon_stream.ShardStream` implements; the stream owns the producer threads, the
+# pass only what it submitted.
 # the stream's logger: its per-shard lines are filtered by this name (docs/memory-budget.md)
 logger = logging.getLogger("gluon_stream.stream")
 
@@ -1436,6 +1464,22 @@ class KeyPass:
 
 
 # -- the stream: the keys and production wired, its threads owned ----------------------------------
+# ShardStream: shards in order, produced ahead of the consumer by a bounded thread pool.
+#
+# Producer threads generate, load, transform and (when shuffling) permute each shard
+# while the consumer works on the current one; at most ``prefetch`` shards are ever
+# ahead of it, so at most ``prefetch + 1`` shards are held at once. Threads, not
+# processes: generation runs in external processes or in numpy code that releases the
+# GIL, and nothing has to be forked or pickled.
+#
+# The contract with a consumer such as :class:`~gluon_stream.StreamLoader` is public:
+# :meth:`ShardStream.start_epoch` begins a pass (optionally with a ``prepare`` step that runs in
+# the producer threads, e.g. copying the shard into an NDArray) and returns an
+# :class:`KeyPass`, whose :meth:`~KeyPass.next_shard` hands out the shards in order. The pass
+# lives in this module too and drives the stream through the public methods
+# of its :class:`~gluon_stream._stages.produce.ShardMaker` contract. The stream wires the keys
+# stage (:mod:`.keys`) and the production stage (this module); the public
+# :mod:`gluon_stream.stream` names it, ``Shard``, ``KeyPass``, ``RunState`` and ``Prepare``.
 # the public name: its lines are filtered by it (docs/memory-budget.md)
 logger = logging.getLogger("gluon_stream.stream")
 

@@ -130,6 +130,11 @@ def _work(began: threading.Event, *args: Any) -> None:
 
 
 # -- how many CPU cores this process may really use ------------------------------------------------
+# How many CPU cores this process may really use: its affinity, and its cgroup's CPU quota.
+#
+# ``os.cpu_count()`` counts the machine's cores; a container's cpuset, ``taskset`` and a cgroup
+# quota (``docker --cpus``, Kubernetes CPU limits) allow fewer. Sizing thread pools by it
+# oversubscribes exactly the machines that are already short of cores.
 logger = logging.getLogger(__name__)
 
 CGROUP_ROOT = "/sys/fs/cgroup"

@@ -451,6 +451,12 @@ def _run_task(fn: Callable[..., T], args: tuple, task_id: str) -> T:
 
 
 # -- keys: which are safe, and an epoch's keys -----------------------------------------------------
+# Shard keys as a source holds them: which keys are safe, and how a source's keys become
+# one epoch's keys.
+#
+# Keys are given as a sequence (finite: every epoch has the same keys), an endless iterator
+# (drawn lazily, in its order, only as far as the prefetch depth needs) or a callable
+# ``keys(epoch)`` (per-epoch resharding; it may return either of the other two).
 Keys = Union[Sequence[Any], Iterable[Any], Callable[[int], Iterable[Any]]]
 
 MAX_KEY_LENGTH = 200
